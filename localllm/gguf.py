@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from localllm.errors import LocalLLMError
 
@@ -43,38 +43,20 @@ _HEADER_SIZE = 24  # magic + version + n_tensors + n_kv
 # GGML type id -> (block_size in elements, type_size in bytes per block)
 BLOCK_SIZES: dict[int, tuple[int, int]] = {int(t): sizes for t, sizes in GGML_QUANT_SIZES.items()}
 
-# GGUF metadata value type ids (gguf.constants.GGUFValueType)
-UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = (
-    range(13)
-)
-VALUE_TYPE_NAMES = {
-    UINT8: "uint8",
-    INT8: "int8",
-    UINT16: "uint16",
-    INT16: "int16",
-    UINT32: "uint32",
-    INT32: "int32",
-    FLOAT32: "float32",
-    BOOL: "bool",
-    STRING: "string",
-    ARRAY: "array",
-    UINT64: "uint64",
-    INT64: "int64",
-    FLOAT64: "float64",
-}
-# scalar value type -> little-endian numpy dtype
+V = GGUFValueType
+# scalar metadata value type -> little-endian numpy dtype (BOOL is one byte, 0 or 1)
 _NUMERIC_DTYPES: dict[int, np.dtype] = {
-    UINT8: np.dtype("<u1"),
-    INT8: np.dtype("<i1"),
-    UINT16: np.dtype("<u2"),
-    INT16: np.dtype("<i2"),
-    UINT32: np.dtype("<u4"),
-    INT32: np.dtype("<i4"),
-    FLOAT32: np.dtype("<f4"),
-    BOOL: np.dtype("<u1"),
-    UINT64: np.dtype("<u8"),
-    INT64: np.dtype("<i8"),
-    FLOAT64: np.dtype("<f8"),
+    V.UINT8: np.dtype("<u1"),
+    V.INT8: np.dtype("<i1"),
+    V.UINT16: np.dtype("<u2"),
+    V.INT16: np.dtype("<i2"),
+    V.UINT32: np.dtype("<u4"),
+    V.INT32: np.dtype("<i4"),
+    V.FLOAT32: np.dtype("<f4"),
+    V.BOOL: np.dtype("<u1"),
+    V.UINT64: np.dtype("<u8"),
+    V.INT64: np.dtype("<i8"),
+    V.FLOAT64: np.dtype("<f8"),
 }
 _SCALAR_STRUCTS = {
     t: struct.Struct("<" + fmt)
@@ -299,19 +281,19 @@ class _Parser:
         return metadata
 
     def value(self, value_type: int, what: str, depth: int) -> Any:
-        if value_type == STRING:
+        if value_type == V.STRING:
             return self.string(f"the value of {what}")
-        if value_type == ARRAY:
+        if value_type == V.ARRAY:
             return self.array(what, depth)
         if value_type not in _SCALAR_STRUCTS:
             raise self.corrupt(f"{what} has unknown value type {value_type}")
         unpacker = _SCALAR_STRUCTS[value_type]
-        self.need(unpacker.size, f"the {VALUE_TYPE_NAMES[value_type]} value of {what}")
+        self.need(unpacker.size, f"the {V(value_type).name.lower()} value of {what}")
         (value,) = unpacker.unpack_from(self.mm, self.pos)
         self.pos += unpacker.size
-        if value_type == BOOL:
+        if value_type == V.BOOL:
             return value != 0
-        return float(value) if value_type in (FLOAT32, FLOAT64) else int(value)
+        return float(value) if value_type in (V.FLOAT32, V.FLOAT64) else int(value)
 
     def array(self, what: str, depth: int) -> Any:
         if depth >= MAX_ARRAY_NESTING:
@@ -323,12 +305,12 @@ class _Parser:
             self.need(count * dtype.itemsize, f"{what} (an array of {count} {dtype.name})")
             items = np.frombuffer(self.mm, dtype=dtype, count=count, offset=self.pos)
             self.pos += count * dtype.itemsize
-            if item_type == BOOL:
+            if item_type == V.BOOL:
                 return items != 0
             return items.astype(dtype.newbyteorder("="))  # a copy: metadata outlives the map
-        if item_type == STRING:
+        if item_type == V.STRING:
             return self.string_array(count, what)
-        if item_type == ARRAY:
+        if item_type == V.ARRAY:
             if count > (self.file_size - self.pos) // _MIN_ARRAY:
                 raise self.corrupt(
                     f"{what} claims {count} nested arrays, more than the rest of the file holds"
