@@ -216,9 +216,14 @@ def _token_at(tokens: Sequence[str], token_id: Any) -> str:
     return str(tokens[token_id]) if 0 <= token_id < len(tokens) else ""
 
 
-def _check_length(value: Any) -> Any:
-    if isinstance(value, (str, list, tuple, dict)) and len(value) > MAX_LENGTH:
+def _check_size(n_items: int) -> None:
+    if n_items > MAX_LENGTH:
         raise SecurityError(f"a value longer than {MAX_LENGTH} items")
+
+
+def _check_length(value: Any) -> Any:
+    if isinstance(value, (str, list, tuple, dict)):
+        _check_size(len(value))
     return value
 
 
@@ -268,10 +273,9 @@ class _GuardedEnvironment(ImmutableSandboxedEnvironment):
                 raise SecurityError(f"an integer wider than {MAX_INT_BITS} bits")
         elif operator == "*":
             count = left if isinstance(left, int) else right if isinstance(right, int) else 1
-            if count * max(_size_of(left), _size_of(right)) > MAX_LENGTH:
-                raise SecurityError(f"a value longer than {MAX_LENGTH} items")
-        elif operator == "+" and _size_of(left) + _size_of(right) > MAX_LENGTH:
-            raise SecurityError(f"a value longer than {MAX_LENGTH} items")
+            _check_size(count * max(_size_of(left), _size_of(right)))
+        elif operator == "+":
+            _check_size(_size_of(left) + _size_of(right))
         return super().call_binop(context, operator, left, right)
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
@@ -287,8 +291,7 @@ class _GuardedEnvironment(ImmutableSandboxedEnvironment):
     def concat(self, values: Iterable[Any]) -> str:
         """`a ~ b ~ ...`, refused before joining if the result would be too long."""
         strings = [str(value) for value in values]
-        if sum(map(len, strings)) > MAX_LENGTH:
-            raise SecurityError(f"a value longer than {MAX_LENGTH} items")
+        _check_size(sum(map(len, strings)))
         return "".join(strings)
 
     def step(self) -> None:
