@@ -1,0 +1,158 @@
+"""Backends: where the model's arithmetic runs. The model code calls only these methods.
+
+A backend turns GGUF tensors into weights it can use (`weight`, `vector`) and provides the ops a
+transformer block needs. The CPU backend keeps every quantized weight as a view into the memory
+map and dequantizes blocks on the fly inside Numba kernels.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from localllm import ops, quants
+from localllm.errors import LocalLLMError
+from localllm.gguf import TensorInfo
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A 2-D weight still in its GGUF blocks: raw uint8[n_rows, row_bytes], a view of the map."""
+
+    name: str
+    raw: np.ndarray
+    qtype: quants.QuantType
+    n_rows: int
+    n_cols: int
+
+
+def default_threads() -> int:
+    """Threads when -t is not given: the cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+class CPUBackend:
+    """Numba kernels on the memory-mapped weights."""
+
+    name = "cpu"
+
+    def __init__(self, n_threads: int | None = None):
+        n = n_threads or default_threads()
+        if n < 1:
+            raise LocalLLMError(f"--threads must be at least 1, got {n}")
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        self.n_threads = numba.get_num_threads()
+
+    # -- weights -------------------------------------------------------------------------
+
+    def weight(self, tensor: TensorInfo) -> QuantWeight:
+        """A matrix used by `linear` or `embed`, left in its quantized blocks."""
+        qtype = quants.get_quant_type(tensor.ggml_type, tensor.name)
+        if len(tensor.shape) != 2:
+            raise LocalLLMError(f"tensor {tensor.name} should be 2-D, has shape {tensor.shape}")
+        n_rows, n_cols = tensor.shape
+        return QuantWeight(tensor.name, tensor.data, qtype, n_rows, n_cols)
+
+    def vector(self, tensor: TensorInfo) -> np.ndarray:
+        """A 1-D float32 tensor (norm weights, biases): float32[n], converted if stored as F16."""
+        if tensor.ggml_type == 0:
+            return tensor.data.view(np.float32).reshape(-1)
+        return quants.dequantize(tensor.data.reshape(1, -1), tensor.ggml_type).reshape(-1)
+
+    # -- memory -----------------------------------------------------------------------------
+
+    def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
+        """float32 zeros; the pages are only touched (and counted in RSS) when written."""
+        return np.zeros(shape, dtype=np.float32)
+
+    def to_host(self, x: np.ndarray) -> np.ndarray:
+        """A host copy of x, e.g. the logits."""
+        return np.array(x, dtype=np.float32)
+
+    def write_kv(self, k_cache, v_cache, start_pos: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store k, v: float32[n_tokens, n_kv_heads, head_dim] at start_pos in one layer's cache."""
+        n = k.shape[0]
+        k_cache[start_pos : start_pos + n] = k
+        v_cache[start_pos : start_pos + n] = v
+
+    # -- ops --------------------------------------------------------------------------------
+
+    def linear(self, x: np.ndarray, w: QuantWeight, out: np.ndarray) -> np.ndarray:
+        """out = x @ w.T. x: float32[n_tokens, n_cols]; out: float32[n_tokens, n_rows]."""
+        if x.shape[0] == 1:
+            w.qtype.matvec(w.raw, x[0], out[0])
+        else:
+            w.qtype.matmul(w.raw, x, out)
+        return out
+
+    def embed(self, w: QuantWeight, token_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """out = rows token_ids of the embedding matrix: float32[n_tokens, n_cols].
+
+        Only those rows are read from the map."""
+        out[:] = w.qtype.dequantize(np.ascontiguousarray(w.raw[token_ids]))
+        return out
+
+    def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> np.ndarray:
+        ops.rmsnorm(x, weight, np.float32(eps), out)
+        return out
+
+    def rmsnorm_heads(self, x: np.ndarray, weight: np.ndarray, eps: float) -> None:
+        ops.rmsnorm_heads(x, weight, np.float32(eps))
+
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> None:
+        ops.rope(x, cos, sin, neox)
+
+    def rope_tables(
+        self, positions: np.ndarray, rope_dim: int, theta_base: float, freq_scale: float
+    ):
+        """(cos, sin): float32[n_tokens, rope_dim // 2] each, for int64 positions."""
+        return ops.rope_cos_sin(positions, rope_dim, np.float32(theta_base), np.float32(freq_scale))
+
+    def attention(self, q, k_cache, v_cache, start_pos, window, scale, out) -> np.ndarray:
+        ops.attention(q, k_cache, v_cache, start_pos, window, np.float32(scale), out)
+        return out
+
+    def add_bias(self, x: np.ndarray, bias: np.ndarray) -> None:
+        x += bias
+
+    def add(self, x: np.ndarray, y: np.ndarray) -> None:
+        ops.add_inplace(x, y)
+
+    def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> None:
+        ops.silu_mul(gate, up)
+
+    def gelu_mul(self, gate: np.ndarray, up: np.ndarray) -> None:
+        ops.gelu_tanh_mul(gate, up)
+
+    def scale(self, x: np.ndarray, factor: float) -> None:
+        x *= np.float32(factor)
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def make_backend(device: str = "auto", n_threads: int | None = None):
+    """The backend for --device: "cpu", "cuda" (an error when no usable GPU), or "auto" (CUDA
+    when a real, usable GPU is present, never the simulator; else CPU)."""
+    if device not in DEVICES:
+        raise LocalLLMError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
+    if device == "cpu":
+        return CPUBackend(n_threads)
+    try:
+        from localllm import cuda  # imported only when a GPU is asked for (auto asks, cheaply)
+    except ImportError as e:
+        if device == "auto":
+            return CPUBackend(n_threads)
+        raise LocalLLMError(
+            f"the CUDA backend is not available ({e}); pip install 'localllm[cuda]'"
+        ) from e
+    if device == "auto":
+        return cuda.CUDABackend() if cuda.gpu_available() else CPUBackend(n_threads)
+    cuda.require_gpu()  # raises LocalLLMError saying what is missing
+    return cuda.CUDABackend()

@@ -1,0 +1,88 @@
+"""Architectures, chosen by `general.architecture`, and `load_model`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from localllm.errors import LocalLLMError
+from localllm.gguf import GGUFFile, read_gguf
+from localllm.models.config import ModelConfig
+from localllm.models.gemma3 import gemma3_config
+from localllm.models.llama import llama_config, mistral_config, qwen2_config
+from localllm.models.transformer import Transformer
+from localllm.tokenizer import Tokenizer
+
+# general.architecture -> config builder; all of them run on the one Transformer.
+ARCHITECTURES: dict[str, Callable[[Mapping[str, Any], int], ModelConfig]] = {
+    "llama": llama_config,
+    "mistral": mistral_config,
+    "qwen2": qwen2_config,
+    "gemma3": gemma3_config,
+}
+
+DEFAULT_CTX = 4096
+
+
+@dataclass
+class Model:
+    """A loaded model: the file, its tokenizer, its config and the transformer with its KV cache."""
+
+    path: Path
+    gguf: GGUFFile
+    config: ModelConfig
+    tokenizer: Tokenizer
+    transformer: Transformer
+    load_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.gguf.metadata
+
+    @property
+    def n_ctx(self) -> int:
+        return self.transformer.cache.n_ctx
+
+    def close(self) -> None:
+        self.gguf.close()
+
+
+def model_config(metadata: Mapping[str, Any], vocab_size: int) -> ModelConfig:
+    arch = metadata.get("general.architecture")
+    builder = ARCHITECTURES.get(arch)
+    if builder is None:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise LocalLLMError(f"unsupported model architecture {arch!r}; supported: {supported}")
+    return builder(metadata, vocab_size)
+
+
+def load_model(
+    path: str | Path,
+    n_ctx: int | None = None,
+    n_threads: int | None = None,
+    device: str = "auto",
+    backend=None,
+) -> Model:
+    """Open a GGUF file and make it ready to run. n_ctx defaults to min(training context, 4096);
+    device is "auto", "cpu" or "cuda" (see backend.make_backend); `backend` overrides it."""
+    from localllm.backend import make_backend
+
+    start = time.perf_counter()
+    gguf = read_gguf(path)
+    try:
+        tokenizer = Tokenizer.from_metadata(gguf.metadata)
+        config = model_config(gguf.metadata, tokenizer.vocab_size)
+        if n_ctx is None:
+            n_ctx = min(config.n_ctx_train, DEFAULT_CTX)
+        if n_ctx < 1:
+            raise LocalLLMError(f"the context size must be at least 1, got {n_ctx}")
+        backend = backend or make_backend(device, n_threads)
+        transformer = Transformer(gguf, config, backend, n_ctx)
+    except BaseException:
+        gguf.close()
+        raise
+    return Model(Path(path), gguf, config, tokenizer, transformer, time.perf_counter() - start)

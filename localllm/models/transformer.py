@@ -1,0 +1,253 @@
+"""The decoder-only transformer every supported architecture runs on, driven by ModelConfig.
+
+Optional pieces are chosen by the tensors the file holds: Q/K/V biases (qwen2), QK-norm and
+post-norms (gemma3), a separate output matrix (else the embedding is tied). All buffers are
+allocated here, once; `forward` only fills them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from localllm.errors import LocalLLMError
+from localllm.gguf import GGUFFile
+from localllm.kv_cache import KVCache
+from localllm.models.config import ModelConfig
+
+
+@dataclass
+class Layer:
+    attn_norm: np.ndarray  # float32[dim]
+    wq: object
+    wk: object
+    wv: object
+    wo: object
+    ffn_norm: np.ndarray  # float32[dim]
+    w_gate: object
+    w_up: object
+    w_down: object
+    bq: np.ndarray | None = None  # float32[n_heads * head_dim]
+    bk: np.ndarray | None = None  # float32[n_kv_heads * head_dim]
+    bv: np.ndarray | None = None
+    q_norm: np.ndarray | None = None  # float32[head_dim]
+    k_norm: np.ndarray | None = None
+    post_attn_norm: np.ndarray | None = None  # float32[dim]
+    post_ffn_norm: np.ndarray | None = None
+
+
+class Scratch:
+    """Activation buffers for up to n_batch tokens; decode uses the first row of each."""
+
+    def __init__(self, config: ModelConfig, n_batch: int, zeros):
+        c = config
+        self.x = zeros((n_batch, c.dim))  # residual stream
+        self.h = zeros((n_batch, c.dim))  # normed input of a sub-block
+        self.o = zeros((n_batch, c.dim))  # sub-block output
+        self.q = zeros((n_batch, c.n_heads * c.head_dim))
+        self.k = zeros((n_batch, c.n_kv_heads * c.head_dim))
+        self.v = zeros((n_batch, c.n_kv_heads * c.head_dim))
+        self.attn = zeros((n_batch, c.n_heads * c.head_dim))
+        self.gate = zeros((n_batch, c.ffn_dim))
+        self.up = zeros((n_batch, c.ffn_dim))
+        self.logits = zeros((n_batch, c.vocab_size))  # only row 0 is used, except by all_logits
+
+
+class Transformer:
+    """Weights (views into the GGUF map), scratch buffers and one KV cache."""
+
+    def __init__(self, gguf: GGUFFile, config: ModelConfig, backend, n_ctx: int, n_batch: int = 64):
+        self.config = config
+        self.backend = backend
+        self.n_batch = n_batch
+        self._tensors = gguf.tensors
+        b = backend
+        self.token_embd = b.weight(self._tensor("token_embd.weight"))
+        self.output_norm = b.vector(self._tensor("output_norm.weight"))
+        # Tied embeddings: without output.weight the embedding matrix is the output head.
+        out = self._tensors.get("output.weight")
+        self.output = b.weight(out) if out is not None else self.token_embd
+        self.layers = [self._layer(i) for i in range(config.n_layers)]
+        self._check_shapes()
+        self.scratch = Scratch(config, n_batch, backend.zeros)
+        self.cache = self.new_cache(n_ctx)
+
+    def _tensor(self, name: str):
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            raise LocalLLMError(
+                f"the model file lacks the tensor {name!r} that {self.config.arch} needs"
+            )
+        return tensor
+
+    def _optional_vector(self, name: str) -> np.ndarray | None:
+        tensor = self._tensors.get(name)
+        return None if tensor is None else self.backend.vector(tensor)
+
+    def _layer(self, i: int) -> Layer:
+        b, p = self.backend, f"blk.{i}."
+        return Layer(
+            attn_norm=b.vector(self._tensor(p + "attn_norm.weight")),
+            wq=b.weight(self._tensor(p + "attn_q.weight")),
+            wk=b.weight(self._tensor(p + "attn_k.weight")),
+            wv=b.weight(self._tensor(p + "attn_v.weight")),
+            wo=b.weight(self._tensor(p + "attn_output.weight")),
+            ffn_norm=b.vector(self._tensor(p + "ffn_norm.weight")),
+            w_gate=b.weight(self._tensor(p + "ffn_gate.weight")),
+            w_up=b.weight(self._tensor(p + "ffn_up.weight")),
+            w_down=b.weight(self._tensor(p + "ffn_down.weight")),
+            bq=self._optional_vector(p + "attn_q.bias"),
+            bk=self._optional_vector(p + "attn_k.bias"),
+            bv=self._optional_vector(p + "attn_v.bias"),
+            q_norm=self._optional_vector(p + "attn_q_norm.weight"),
+            k_norm=self._optional_vector(p + "attn_k_norm.weight"),
+            post_attn_norm=self._optional_vector(p + "post_attention_norm.weight"),
+            post_ffn_norm=self._optional_vector(p + "post_ffw_norm.weight"),
+        )
+
+    def _check_shapes(self) -> None:
+        """Fail at load, with the tensor's name, rather than inside a kernel."""
+        c = self.config
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        expected = [(self.token_embd, c.dim, None), (self.output, c.dim, c.vocab_size)]
+        for layer in self.layers:
+            expected += [
+                (layer.wq, c.dim, q_dim),
+                (layer.wk, c.dim, kv_dim),
+                (layer.wv, c.dim, kv_dim),
+                (layer.wo, q_dim, c.dim),
+                (layer.w_gate, c.dim, c.ffn_dim),
+                (layer.w_up, c.dim, c.ffn_dim),
+                (layer.w_down, c.ffn_dim, c.dim),
+            ]
+        for w, n_cols, n_rows in expected:
+            if w.n_cols != n_cols or (n_rows is not None and w.n_rows != n_rows):
+                raise LocalLLMError(
+                    f"tensor {w.name} has shape ({w.n_rows}, {w.n_cols}), which does not fit the "
+                    f"model's metadata; the file is inconsistent"
+                )
+        if self.token_embd.n_rows < c.vocab_size:
+            raise LocalLLMError(f"token_embd.weight has fewer rows than the {c.vocab_size} tokens")
+
+    # -- the forward pass -----------------------------------------------------------------
+
+    def new_cache(self, n_ctx: int | None = None) -> KVCache:
+        """A KV cache (by default of the same context size), e.g. for another sequence."""
+        c = self.config
+        n_ctx = self.cache.n_ctx if n_ctx is None else n_ctx
+        return KVCache(c.n_layers, n_ctx, c.n_kv_heads, c.head_dim, self.backend.zeros)
+
+    def forward(
+        self, token_ids, start_pos: int, all_logits: bool = False, cache: KVCache | None = None
+    ) -> np.ndarray:
+        """Run tokens at positions start_pos.. through the model, filling the KV cache.
+
+        Returns float32[vocab_size], the logits after the last token, or, with all_logits,
+        float32[n_tokens, vocab_size] (used by tests; prefill skips the output head otherwise).
+        `cache` defaults to the model's own; calls on one Transformer must not overlap, since
+        they share its scratch buffers.
+        """
+        cache = self.cache if cache is None else cache
+        token_ids = np.asarray(token_ids, dtype=np.int64)
+        n_tokens = len(token_ids)
+        if n_tokens == 0:
+            raise LocalLLMError("nothing to run: the prompt is empty")
+        if start_pos + n_tokens > cache.n_ctx:
+            raise LocalLLMError(
+                f"{start_pos + n_tokens} tokens exceed the context size of {cache.n_ctx}; "
+                "use a larger -c/--ctx-size or a shorter prompt"
+            )
+        if token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size:
+            raise LocalLLMError(
+                f"token id out of range for a vocabulary of {self.config.vocab_size}"
+            )
+        if start_pos > cache.n_past:
+            raise LocalLLMError(
+                f"position {start_pos} leaves a gap after {cache.n_past} cached tokens"
+            )
+        cache.trim(start_pos)
+        rows = []
+        for first in range(0, n_tokens, self.n_batch):
+            chunk = token_ids[first : first + self.n_batch]
+            last_chunk = first + len(chunk) == n_tokens
+            self._forward_chunk(chunk, start_pos + first, cache)
+            cache.tokens.extend(int(t) for t in chunk)
+            if all_logits:
+                rows.append(self._logits(0, len(chunk)))
+            elif last_chunk:
+                rows.append(self._logits(len(chunk) - 1, len(chunk))[0])
+        return np.concatenate(rows) if all_logits else rows[0]
+
+    def _logits(self, first: int, end: int) -> np.ndarray:
+        """Host float32[end - first, vocab] for rows first..end-1 of the residual stream."""
+        b, c, s = self.backend, self.config, self.scratch
+        n = end - first
+        h = b.rmsnorm(s.x[first:end], self.output_norm, c.rms_eps, s.h[:n])
+        return b.to_host(b.linear(h, self.output, s.logits[:n]))
+
+    def _forward_chunk(self, token_ids: np.ndarray, start_pos: int, cache: KVCache) -> None:
+        b, c, s = self.backend, self.config, self.scratch
+        n = len(token_ids)
+        x = b.embed(self.token_embd, token_ids, s.x[:n])
+        if c.embed_scale != 1.0:
+            b.scale(x, c.embed_scale)
+        positions = np.arange(start_pos, start_pos + n, dtype=np.int64)
+        tables = {}
+        attn_scale = c.attn_scale or 1.0 / math.sqrt(c.head_dim)
+        for i, layer in enumerate(self.layers):
+            window = c.window(i)
+            key = (c.theta(i), window == 0)
+            if key not in tables:
+                freq_scale = c.rope_freq_scale if window == 0 else 1.0
+                tables[key] = b.rope_tables(positions, c.rope_dim, c.theta(i), freq_scale)
+            cos, sin = tables[key]
+            k_cache, v_cache = cache.k[i], cache.v[i]
+            self._attention_block(
+                layer, x, k_cache, v_cache, start_pos, cos, sin, window, attn_scale
+            )
+            self._ffn_block(layer, x)
+
+    def _attention_block(
+        self, layer: Layer, x, k_cache, v_cache, start_pos, cos, sin, window, attn_scale
+    ) -> None:
+        b, c, s = self.backend, self.config, self.scratch
+        n = x.shape[0]
+        h = b.rmsnorm(x, layer.attn_norm, c.rms_eps, s.h[:n])
+        q = b.linear(h, layer.wq, s.q[:n])
+        k = b.linear(h, layer.wk, s.k[:n])
+        v = b.linear(h, layer.wv, s.v[:n])
+        if layer.bq is not None:
+            b.add_bias(q, layer.bq)
+            b.add_bias(k, layer.bk)
+            b.add_bias(v, layer.bv)
+        q3 = q.reshape(n, c.n_heads, c.head_dim)
+        k3 = k.reshape(n, c.n_kv_heads, c.head_dim)
+        if layer.q_norm is not None:
+            b.rmsnorm_heads(q3, layer.q_norm, c.rms_eps)
+            b.rmsnorm_heads(k3, layer.k_norm, c.rms_eps)
+        b.rope(q3, cos, sin, c.rope_neox)
+        b.rope(k3, cos, sin, c.rope_neox)
+        b.write_kv(k_cache, v_cache, start_pos, k3, v.reshape(n, c.n_kv_heads, c.head_dim))
+        attn = s.attn[:n].reshape(n, c.n_heads, c.head_dim)
+        b.attention(q3, k_cache, v_cache, start_pos, window, attn_scale, attn)
+        o = b.linear(s.attn[:n], layer.wo, s.o[:n])
+        if layer.post_attn_norm is not None:
+            b.rmsnorm(o, layer.post_attn_norm, c.rms_eps, o)
+        b.add(x, o)
+
+    def _ffn_block(self, layer: Layer, x) -> None:
+        b, c, s = self.backend, self.config, self.scratch
+        n = x.shape[0]
+        h = b.rmsnorm(x, layer.ffn_norm, c.rms_eps, s.h[:n])
+        gate = b.linear(h, layer.w_gate, s.gate[:n])
+        up = b.linear(h, layer.w_up, s.up[:n])
+        if c.activation == "gelu":
+            b.gelu_mul(gate, up)
+        else:
+            b.silu_mul(gate, up)
+        o = b.linear(gate, layer.w_down, s.o[:n])
+        if layer.post_ffn_norm is not None:
+            b.rmsnorm(o, layer.post_ffn_norm, c.rms_eps, o)
+        b.add(x, o)

@@ -1,0 +1,166 @@
+"""Transformer ops as Numba kernels: RMSNorm, RoPE, attention, activations.
+
+Each op works in place or into a buffer the caller allocated once at load (see models/), so a
+decode step allocates nothing. Float order follows ggml's CPU code where that is cheap, so that
+logits stay close to llama.cpp's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+
+@njit(parallel=True, cache=True)
+def rmsnorm(x, weight, eps, out):
+    """out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * weight, for every row i.
+
+    x, out: float32[n_rows, dim]; weight: float32[dim]. out may be x.
+    """
+    n_rows, dim = x.shape
+    for i in prange(n_rows):
+        # ggml sums squares in float (ggml_float = double on CPU) then scales in float32.
+        ss = 0.0
+        for j in range(dim):
+            ss += np.float64(x[i, j]) * np.float64(x[i, j])
+        scale = np.float32(1.0 / math.sqrt(np.float32(ss / dim) + eps))
+        for j in range(dim):
+            out[i, j] = x[i, j] * scale * weight[j]
+
+
+@njit(parallel=True, cache=True)
+def rmsnorm_heads(x, weight, eps):
+    """RMSNorm of every head vector in place (QK-norm). x: float32[n_tokens, n_heads, head_dim]."""
+    n_tokens, n_heads, head_dim = x.shape
+    for t in prange(n_tokens):
+        for h in range(n_heads):
+            ss = 0.0
+            for j in range(head_dim):
+                ss += np.float64(x[t, h, j]) * np.float64(x[t, h, j])
+            scale = np.float32(1.0 / math.sqrt(np.float32(ss / head_dim) + eps))
+            for j in range(head_dim):
+                x[t, h, j] = x[t, h, j] * scale * weight[j]
+
+
+@njit(cache=True)
+def rope_cos_sin(positions, rope_dim, theta_base, freq_scale):
+    """cos and sin tables: float32[n_tokens, rope_dim // 2] each.
+
+    theta is built by repeated multiplication in float32, as ggml_rope does, rather than with
+    pow per pair: the last bits of the angle then match llama.cpp's.
+    """
+    n_pairs = rope_dim // 2
+    theta_scale = np.float32(theta_base ** (-2.0 / rope_dim))
+    cos = np.empty((positions.shape[0], n_pairs), dtype=np.float32)
+    sin = np.empty((positions.shape[0], n_pairs), dtype=np.float32)
+    for t in range(positions.shape[0]):
+        theta = np.float32(positions[t])
+        for i in range(n_pairs):
+            angle = np.float32(theta * np.float32(freq_scale))
+            cos[t, i] = math.cos(angle)
+            sin[t, i] = math.sin(angle)
+            theta = np.float32(theta * theta_scale)
+    return cos, sin
+
+
+@njit(parallel=True, cache=True)
+def rope(x, cos, sin, neox):
+    """Rotate every head of x in place. x: float32[n_tokens, n_heads, head_dim].
+
+    neox=False rotates adjacent pairs (2i, 2i+1) (llama; the GGUF converter permutes Q/K for it);
+    neox=True rotates (i, i + rope_dim/2) (qwen2, gemma3). Dims past rope_dim are left alone.
+    """
+    n_tokens, n_heads, _ = x.shape
+    n_pairs = cos.shape[1]
+    for t in prange(n_tokens):
+        for h in range(n_heads):
+            for i in range(n_pairs):
+                if neox:
+                    a, b = i, i + n_pairs
+                else:
+                    a, b = 2 * i, 2 * i + 1
+                x0 = x[t, h, a]
+                x1 = x[t, h, b]
+                x[t, h, a] = x0 * cos[t, i] - x1 * sin[t, i]
+                x[t, h, b] = x0 * sin[t, i] + x1 * cos[t, i]
+
+
+@njit(parallel=True, cache=True)
+def attention(q, k_cache, v_cache, start_pos, window, scale, out):
+    """Causal multi-head attention with grouped K/V heads and an optional sliding window.
+
+    q: float32[n_tokens, n_heads, head_dim] for positions start_pos .. start_pos + n_tokens - 1
+    k_cache, v_cache: float32[n_ctx, n_kv_heads, head_dim], filled up to start_pos + n_tokens
+    window: 0 for global attention, else a key at position j is seen from position i only when
+    i - j < window (llama.cpp's standard SWA mask).
+    out: float32[n_tokens, n_heads, head_dim]
+    """
+    n_tokens, n_heads, head_dim = q.shape
+    n_kv_heads = k_cache.shape[1]
+    group = n_heads // n_kv_heads
+    n_keys = start_pos + n_tokens
+    for job in prange(n_tokens * n_heads):
+        t = job // n_heads
+        h = job % n_heads
+        kv = h // group
+        pos = start_pos + t
+        first = 0
+        if window > 0 and pos - window + 1 > 0:
+            first = pos - window + 1
+        scores = np.empty(n_keys, dtype=np.float32)
+        best = -np.inf
+        for j in range(first, pos + 1):
+            s = np.float32(0.0)
+            for d in range(head_dim):
+                s += q[t, h, d] * k_cache[j, kv, d]
+            s *= scale
+            scores[j] = s
+            if s > best:
+                best = s
+        total = 0.0
+        for j in range(first, pos + 1):
+            e = np.float32(math.exp(scores[j] - best))
+            scores[j] = e
+            total += e
+        inv = np.float32(1.0 / total)
+        for d in range(head_dim):
+            out[t, h, d] = 0.0
+        for j in range(first, pos + 1):
+            p = scores[j] * inv
+            for d in range(head_dim):
+                out[t, h, d] += p * v_cache[j, kv, d]
+
+
+@njit(parallel=True, cache=True)
+def silu_mul(gate, up):
+    """gate = silu(gate) * up, in place. gate, up: float32[n_tokens, ffn_dim]."""
+    n_tokens, n = gate.shape
+    for t in prange(n_tokens):
+        for i in range(n):
+            g = gate[t, i]
+            gate[t, i] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * up[t, i]
+
+
+@njit(parallel=True, cache=True)
+def gelu_tanh_mul(gate, up):
+    """gate = gelu_tanh(gate) * up, in place (Gemma's GeGLU). float32[n_tokens, ffn_dim]."""
+    n_tokens, n = gate.shape
+    c = np.float32(math.sqrt(2.0 / math.pi))
+    for t in prange(n_tokens):
+        for i in range(n):
+            g = gate[t, i]
+            inner = c * g * (np.float32(1.0) + np.float32(0.044715) * g * g)
+            gate[t, i] = (
+                np.float32(0.5) * g * (np.float32(1.0) + np.float32(math.tanh(inner))) * up[t, i]
+            )
+
+
+@njit(cache=True)
+def add_inplace(x, y):
+    """x += y for float32[n_tokens, dim] arrays."""
+    n_tokens, dim = x.shape
+    for t in range(n_tokens):
+        for i in range(dim):
+            x[t, i] += y[t, i]

@@ -1,0 +1,96 @@
+"""Numba ops against plain numpy references."""
+
+import math
+
+import numpy as np
+import pytest
+
+from localllm import ops
+
+rng = np.random.default_rng(0)
+
+
+def test_rmsnorm_matches_numpy():
+    x = rng.standard_normal((5, 96)).astype(np.float32)
+    w = rng.standard_normal(96).astype(np.float32)
+    out = np.empty_like(x)
+    ops.rmsnorm(x, w, np.float32(1e-5), out)
+    ref = x / np.sqrt((x.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_rmsnorm_heads_in_place():
+    x = rng.standard_normal((3, 4, 32)).astype(np.float32)
+    w = rng.standard_normal(32).astype(np.float32)
+    ref = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * w
+    ops.rmsnorm_heads(x, w, np.float32(1e-6))
+    np.testing.assert_allclose(x, ref, rtol=1e-5, atol=1e-6)
+
+
+def _rope_ref(x, positions, base, neox, rope_dim):
+    out = x.astype(np.float64).copy()
+    half = rope_dim // 2
+    freqs = base ** (-np.arange(half) * 2.0 / rope_dim)
+    for t, p in enumerate(positions):
+        c, s = np.cos(p * freqs), np.sin(p * freqs)
+        if neox:
+            a, b = np.arange(half), np.arange(half) + half
+        else:
+            a, b = np.arange(0, rope_dim, 2), np.arange(1, rope_dim, 2)
+        x0, x1 = out[t, :, a].copy(), out[t, :, b].copy()
+        out[t, :, a] = x0 * c[:, None] - x1 * s[:, None]
+        out[t, :, b] = x0 * s[:, None] + x1 * c[:, None]
+    return out
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_matches_numpy(neox):
+    x = rng.standard_normal((4, 3, 64)).astype(np.float32)
+    positions = np.array([0, 1, 7, 300], dtype=np.int64)
+    ref = _rope_ref(x, positions, 10000.0, neox, 64)
+    cos, sin = ops.rope_cos_sin(positions, 64, np.float32(10000.0), np.float32(1.0))
+    ops.rope(x, cos, sin, neox)
+    np.testing.assert_allclose(x, ref, rtol=1e-4, atol=1e-4)
+
+
+def _attention_ref(q, k, v, start_pos, window, scale):
+    n_tokens, n_heads, head_dim = q.shape
+    group = n_heads // k.shape[1]
+    out = np.zeros_like(q, dtype=np.float64)
+    for t in range(n_tokens):
+        pos = start_pos + t
+        first = max(0, pos - window + 1) if window else 0
+        for h in range(n_heads):
+            keys = k[first : pos + 1, h // group].astype(np.float64)
+            s = keys @ q[t, h] * scale
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            out[t, h] = p @ v[first : pos + 1, h // group]
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_attention_gqa_causal_window(window):
+    n_ctx, n_heads, n_kv, head_dim, start, n = 16, 6, 2, 8, 5, 4
+    q = rng.standard_normal((n, n_heads, head_dim)).astype(np.float32)
+    k = rng.standard_normal((n_ctx, n_kv, head_dim)).astype(np.float32)
+    v = rng.standard_normal((n_ctx, n_kv, head_dim)).astype(np.float32)
+    out = np.empty_like(q)
+    scale = 1 / math.sqrt(head_dim)
+    ops.attention(q, k, v, start, window, np.float32(scale), out)
+    np.testing.assert_allclose(
+        out, _attention_ref(q, k, v, start, window, scale), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_activations():
+    g = rng.standard_normal((2, 50)).astype(np.float32) * 3
+    u = rng.standard_normal((2, 50)).astype(np.float32)
+    silu = g / (1 + np.exp(-g)) * u
+    gelu = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * u
+    a = g.copy()
+    ops.silu_mul(a, u)
+    np.testing.assert_allclose(a, silu, rtol=1e-5, atol=1e-6)
+    b = g.copy()
+    ops.gelu_tanh_mul(b, u)
+    np.testing.assert_allclose(b, gelu, rtol=1e-5, atol=1e-6)
