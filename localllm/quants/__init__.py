@@ -1,0 +1,165 @@
+"""GGML weight types: one registry keyed by GGML type id, with Numba kernels per type.
+
+Every kernel takes the raw weight as it sits in the memory-mapped GGUF: uint8 rows of
+`n_cols // block_size * type_size` bytes (F32/F16/BF16 included, with block_size 1).
+
+    qt = get_quant_type(tensor.ggml_type, tensor.name)
+    qt.matvec(w, x, out)   # w: uint8[n_rows, row_bytes], x: float32[n_cols], out: float32[n_rows]
+    qt.matmul(w, x, out)   # x: float32[n_tokens, n_cols], out: float32[n_tokens, n_rows]
+    qt.dequantize(w)       # -> float32[n_rows, n_cols], bit-exact with gguf.quants.dequantize
+
+The kernels are compiled lazily, per argument types, and cached on disk. Pass C-contiguous
+arrays: read-only uint8 weights (what a read-only memmap gives), float32 activations and outputs;
+other layouts work but cost another compilation. The module-level `dequantize`, `matvec` and
+`matmul` wrappers check shapes, convert arguments to that form and allocate `out` if needed.
+
+Numba caches each file's kernels separately and only notices changes to that file: after editing
+float.py (whose helpers are inlined everywhere), delete this package's __pycache__.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from gguf.constants import GGMLQuantizationType
+
+from ..errors import LocalLLMError
+from . import float as fp
+from . import kquants, legacy
+
+
+@dataclass(frozen=True)
+class QuantType:
+    """A GGML weight type and its kernels (all Numba-compiled, taking raw uint8 rows)."""
+
+    ggml_type: int  # GGML type id
+    name: str  # "Q4_K"
+    block_size: int  # weights per block
+    type_size: int  # bytes per block
+    dequantize: Callable  # (raw: uint8[n_rows, row_bytes]) -> float32[n_rows, n_cols]
+    matvec: Callable  # (w: uint8[n_rows, row_bytes], x: float32[n_cols], out: float32[n_rows])
+    matmul: Callable  # (w, x: float32[n_tokens, n_cols], out: float32[n_tokens, n_rows])
+
+
+def _kernels(module, name: str) -> tuple[Callable, Callable, Callable]:
+    suffix = name.lower()
+    return tuple(getattr(module, f"{kind}_{suffix}") for kind in ("dequantize", "matvec", "matmul"))
+
+
+# ggml type id, name, block size (weights), type size (bytes per block), module with its kernels
+QUANT_TYPES: dict[int, QuantType] = {
+    ggml_type: QuantType(ggml_type, name, block_size, type_size, *_kernels(module, name))
+    for ggml_type, name, block_size, type_size, module in (
+        (0, "F32", 1, 4, fp),
+        (1, "F16", 1, 2, fp),
+        (30, "BF16", 1, 2, fp),
+        (2, "Q4_0", 32, 18, legacy),
+        (3, "Q4_1", 32, 20, legacy),
+        (6, "Q5_0", 32, 22, legacy),
+        (7, "Q5_1", 32, 24, legacy),
+        (8, "Q8_0", 32, 34, legacy),
+        (10, "Q2_K", 256, 84, kquants),
+        (11, "Q3_K", 256, 110, kquants),
+        (12, "Q4_K", 256, 144, kquants),
+        (13, "Q5_K", 256, 176, kquants),
+        (14, "Q6_K", 256, 210, kquants),
+    )
+}
+
+
+def get_quant_type(ggml_type: int, tensor_name: str = "") -> QuantType:
+    """The registry entry for a GGML type id.
+
+    Raises LocalLLMError naming the type and the tensor (if given) when the type is unsupported.
+    """
+    qt = QUANT_TYPES.get(int(ggml_type))
+    if qt is not None:
+        return qt
+    try:
+        type_name = f"{GGMLQuantizationType(int(ggml_type)).name} (type id {int(ggml_type)})"
+    except ValueError:
+        type_name = f"unknown type id {int(ggml_type)}"
+    where = f"tensor '{tensor_name}'" if tensor_name else "a tensor"
+    supported = ", ".join(qt.name for qt in QUANT_TYPES.values())
+    raise LocalLLMError(
+        f"{where} uses GGML type {type_name}, which localllm cannot run. "
+        f"Supported types: {supported}. Use a GGUF quantized to one of these (e.g. Q4_K_M or Q8_0)."
+    )
+
+
+def _weight_rows(raw: np.ndarray, qt: QuantType) -> np.ndarray:
+    """raw as C-contiguous read-only uint8 with whole blocks in the last dimension."""
+    raw = np.ascontiguousarray(raw)
+    if raw.dtype != np.uint8:  # e.g. an F32 or F16 tensor handed over in its own dtype
+        raw = raw.view(np.uint8)
+    if raw.ndim == 0 or raw.shape[-1] % qt.type_size:
+        raise ValueError(
+            f"{qt.name} rows must be whole {qt.type_size}-byte blocks, got shape {raw.shape}"
+        )
+    if raw.flags.writeable:
+        # one compiled signature for weights: the read-only one a read-only memmap gives
+        raw = raw.view()
+        raw.flags.writeable = False
+    return raw
+
+
+def _n_cols(w: np.ndarray, qt: QuantType) -> int:
+    return w.shape[-1] // qt.type_size * qt.block_size
+
+
+def dequantize(raw: np.ndarray, ggml_type: int) -> np.ndarray:
+    """raw: uint8[..., row_bytes] of any leading shape -> float32[..., n_cols], a new array."""
+    qt = get_quant_type(ggml_type)
+    raw = _weight_rows(raw, qt)
+    rows = raw.reshape(-1, raw.shape[-1])  # uint8[n_rows, row_bytes]
+    return qt.dequantize(rows).reshape(*raw.shape[:-1], _n_cols(raw, qt))
+
+
+def _activations(x: np.ndarray, shape: tuple[int, ...], what: str) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.shape != shape:
+        raise ValueError(f"{what} must have shape {shape}, got {x.shape}")
+    return x
+
+
+def _output(out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
+    if out is None:
+        return np.empty(shape, np.float32)
+    if out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous float32 of shape {shape}")
+    return out
+
+
+def matvec(
+    w: np.ndarray, ggml_type: int, x: np.ndarray, out: np.ndarray | None = None
+) -> np.ndarray:
+    """out[n_rows] = w[n_rows, n_cols] @ x[n_cols], dequantizing w block by block on the fly."""
+    qt = get_quant_type(ggml_type)
+    w = _weight_rows(w, qt)
+    if w.ndim != 2:
+        raise ValueError(f"w must be uint8[n_rows, row_bytes], got shape {w.shape}")
+    x = _activations(x, (_n_cols(w, qt),), "x")
+    out = _output(out, (w.shape[0],))
+    qt.matvec(w, x, out)
+    return out
+
+
+def matmul(
+    w: np.ndarray, ggml_type: int, x: np.ndarray, out: np.ndarray | None = None
+) -> np.ndarray:
+    """out[n_tokens, n_rows] = x[n_tokens, n_cols] @ w[n_rows, n_cols].T, w dequantized per tile."""
+    qt = get_quant_type(ggml_type)
+    w = _weight_rows(w, qt)
+    if w.ndim != 2 or np.ndim(x) != 2:
+        raise ValueError(
+            f"need w: uint8[n_rows, row_bytes] and x: [n_tokens, n_cols], got {w.shape}"
+        )
+    x = _activations(x, (np.shape(x)[0], _n_cols(w, qt)), "x")
+    out = _output(out, (x.shape[0], w.shape[0]))
+    if x.shape[0] == 1:  # one token: the matvec kernel streams the weights without a row tile
+        qt.matvec(w, x[0], out[0])
+    else:
+        qt.matmul(w, x, out)
+    return out
