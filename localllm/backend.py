@@ -16,6 +16,7 @@ import numpy as np
 from localllm import ops, quants
 from localllm.errors import LocalLLMError
 from localllm.gguf import TensorInfo
+from localllm.quants.activations import VEC_DOT_TYPES, round_activations
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,17 @@ class CPUBackend:
 
     name = "cpu"
 
-    def __init__(self, n_threads: int | None = None):
+    def __init__(self, n_threads: int | None = None, llama_cpp_rounding: bool = True):
+        """llama_cpp_rounding: round activations as ggml does before each quantized product
+        (the default; logits then track llama.cpp's). False keeps float32 activations: a little
+        more precise, and the same for a token whether it is decoded alone or in a batch."""
+        self.llama_cpp_rounding = llama_cpp_rounding
         n = n_threads or default_threads()
         if n < 1:
             raise LocalLLMError(f"--threads must be at least 1, got {n}")
         numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
         self.n_threads = numba.get_num_threads()
+        self._rounded: dict[tuple[int, int], np.ndarray] = {}  # activation buffers by shape
 
     # -- weights -------------------------------------------------------------------------
 
@@ -84,7 +90,16 @@ class CPUBackend:
     # -- ops --------------------------------------------------------------------------------
 
     def linear(self, x: np.ndarray, w: QuantWeight, out: np.ndarray) -> np.ndarray:
-        """out = x @ w.T. x: float32[n_tokens, n_cols]; out: float32[n_tokens, n_rows]."""
+        """out = x @ w.T. x: float32[n_tokens, n_cols]; out: float32[n_tokens, n_rows].
+
+        x is first rounded as llama.cpp quantizes activations for this weight type, so that the
+        products equal ggml's integer dot products (see quants/activations.py).
+        """
+        kind = VEC_DOT_TYPES[w.qtype.ggml_type] if self.llama_cpp_rounding else "none"
+        buffer = self._rounded.get(x.shape)
+        if buffer is None:
+            buffer = self._rounded[x.shape] = np.empty(x.shape, np.float32)
+        x = round_activations(x, kind, buffer)
         if x.shape[0] == 1:
             w.qtype.matvec(w.raw, x[0], out[0])
         else:

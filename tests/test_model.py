@@ -4,14 +4,17 @@ import numpy as np
 import pytest
 from conftest import MODEL_NAMES, model_path, reference
 
+from localllm.backend import CPUBackend
 from localllm.generate import stream_generate
 from localllm.models import load_model
 
-# Where llama.cpp's top two logits are this close, either token is a fair greedy choice.
-NEAR_TIE = 0.1
-# Our logits against llama.cpp's, for its top-5 tokens: llama.cpp rounds activations to 8 bits
-# inside its quantized dot products and keeps K/V in f16; we keep both in float32.
-LOGIT_TOL = 0.5
+# Rounding noise: these 4-bit models move logits by 0.1-0.5 under a change of float rounding
+# alone. Measured on smollm2: our logits with activations rounded as ggml rounds them (Q8_0/Q8_1/
+# Q8_K) and with float32 activations differ by up to 0.48, as much as either differs from
+# llama.cpp's (up to 0.72 over all three models). So where llama.cpp's top two logits are closer
+# than NEAR_TIE, either token is a fair greedy choice, and logits agree within LOGIT_TOL.
+NEAR_TIE = 0.3
+LOGIT_TOL = 1.0
 
 
 @pytest.fixture(scope="module", params=MODEL_NAMES)
@@ -60,8 +63,15 @@ def test_greedy_continuation_matches_llama_cpp(loaded):
             assert text == case["greedy_text"], (name, text)
 
 
-def test_cached_decoding_equals_full_pass(loaded):
-    name, model = loaded
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_cached_decoding_equals_full_pass(name):
+    """One token at a time through the KV cache gives the logits of one full-sequence pass.
+
+    With float32 activations: rounding activations to 8 bits (the default) turns last-bit
+    differences between the batched and the single-token kernels into rounding flips, which the
+    model amplifies to ~0.3 logits; the cache logic is what this test is about.
+    """
+    model = load_model(model_path(name), n_ctx=64, backend=CPUBackend(llama_cpp_rounding=False))
     case = reference(name)["greedy"][0]
     ids = case["prompt_ids"] + case["greedy_ids"]
     t = model.transformer
@@ -69,7 +79,7 @@ def test_cached_decoding_equals_full_pass(loaded):
     full = t.forward(ids, 0, all_logits=True)
     t.cache.clear()
     first = t.forward(ids[:3], 0)
-    np.testing.assert_allclose(first, full[2], rtol=1e-3, atol=2e-3)
+    np.testing.assert_allclose(first, full[2], rtol=1e-4, atol=2e-4)
     for pos in range(3, len(ids)):
         step = t.forward([ids[pos]], pos)
         np.testing.assert_allclose(

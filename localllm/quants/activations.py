@@ -1,0 +1,133 @@
+"""Activations rounded the way llama.cpp rounds them before a quantized dot product.
+
+ggml never multiplies a quantized weight by a float32 activation: it first quantizes the
+activation row to the weight type's `vec_dot_type` (Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for Q4_1/Q5_1,
+Q8_K for the K-quants, F16 for F16 weights) and takes integer dot products per block. The rounding
+this adds moves logits by a few tenths; to give llama.cpp's tokens we round the same way.
+
+`round_activations(x, kind, out)` writes the float32 values those quantized activations stand
+for (d * q), so any dot-product kernel sees exactly what ggml's integer kernels see, up to the
+order of float additions. Rounding follows ggml's x86 code: Q8_0/Q8_1 scale by 127/amax, round
+half to even, and store the block scale d = amax/127 as f16; Q8_K uses iscale = -127/max (max the
+signed value of largest magnitude), round half to even, clamp to 127, and keeps d = 1/iscale as
+float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from localllm.quants.float import _bits_to_f32
+
+# vec_dot_type names
+NONE, F16, BF16, Q8_0, Q8_1, Q8_K = "none", "f16", "bf16", "q8_0", "q8_1", "q8_K"
+
+
+@njit(cache=True, inline="always")
+def _f32_bits(v):
+    return np.array([np.float32(v)]).view(np.uint32)[0]
+
+
+@njit(cache=True)
+def round_f16(v):
+    """float32 v rounded to the nearest IEEE half (ties to even), returned as float32."""
+    v = np.float32(v)
+    a = abs(v)
+    if a >= np.float32(65520.0):  # rounds to inf in f16
+        return np.float32(np.inf) if v > 0 else np.float32(-np.inf)
+    if a < np.float32(6.103515625e-05):  # f16 subnormal: multiples of 2^-24
+        step = np.float32(5.960464477539063e-08)
+        return np.float32(np.rint(v / step) * step)
+    bits = _f32_bits(v)
+    rounded = (bits + np.uint32(0x0FFF) + ((bits >> np.uint32(13)) & np.uint32(1))) & np.uint32(
+        0xFFFFE000
+    )
+    return _bits_to_f32(np.uint32(rounded))
+
+
+@njit(cache=True)
+def round_bf16(v):
+    """float32 v rounded to the nearest bfloat16 (ties to even), returned as float32."""
+    bits = _f32_bits(v)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(
+        0xFFFF0000
+    )
+    return _bits_to_f32(np.uint32(rounded))
+
+
+@njit(cache=True)
+def _q8_0_rows(x, out, with_f16_scale):
+    n_tokens, n_cols = x.shape
+    for t in range(n_tokens):
+        for b in range(n_cols // 32):
+            amax = np.float32(0.0)
+            for j in range(b * 32, b * 32 + 32):
+                amax = max(amax, abs(x[t, j]))
+            d = round_f16(amax / np.float32(127.0)) if with_f16_scale else amax / np.float32(127.0)
+            inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
+            for j in range(b * 32, b * 32 + 32):
+                out[t, j] = d * np.float32(np.rint(x[t, j] * inv))
+
+
+@njit(cache=True)
+def _q8_k_rows(x, out):
+    n_tokens, n_cols = x.shape
+    for t in range(n_tokens):
+        for b in range(n_cols // 256):
+            amax = np.float32(0.0)
+            vmax = np.float32(0.0)
+            for j in range(b * 256, b * 256 + 256):
+                if abs(x[t, j]) > amax:
+                    amax = abs(x[t, j])
+                    vmax = x[t, j]
+            if amax == 0:
+                for j in range(b * 256, b * 256 + 256):
+                    out[t, j] = 0.0
+                continue
+            iscale = np.float32(-127.0) / vmax
+            d = np.float32(1.0) / iscale
+            for j in range(b * 256, b * 256 + 256):
+                out[t, j] = d * np.float32(min(127.0, np.rint(iscale * x[t, j])))
+
+
+@njit(parallel=True, cache=True)
+def _round_each(x, out, to_bf16):
+    n_tokens, n_cols = x.shape
+    for t in prange(n_tokens):
+        for j in range(n_cols):
+            out[t, j] = round_bf16(x[t, j]) if to_bf16 else round_f16(x[t, j])
+
+
+def round_activations(x: np.ndarray, kind: str, out: np.ndarray) -> np.ndarray:
+    """out = x as ggml's `kind` quantization represents it. x, out: float32[n_tokens, n_cols]."""
+    if kind == NONE:
+        out[:] = x
+    elif kind in (Q8_0, Q8_1):
+        # Q8_1 differs from Q8_0 only in also storing d * sum(q), which a kernel can recompute.
+        _q8_0_rows(x, out, True)
+    elif kind == Q8_K:
+        _q8_k_rows(x, out)
+    elif kind in (F16, BF16):
+        _round_each(x, out, kind == BF16)
+    else:
+        raise ValueError(f"unknown activation type {kind!r}")
+    return out
+
+
+# GGML weight type id -> the activation type ggml's CPU dot product for it uses.
+VEC_DOT_TYPES = {
+    0: NONE,  # F32
+    1: F16,
+    30: BF16,
+    2: Q8_0,  # Q4_0
+    3: Q8_1,  # Q4_1
+    6: Q8_0,  # Q5_0
+    7: Q8_1,  # Q5_1
+    8: Q8_0,  # Q8_0
+    10: Q8_K,  # Q2_K .. Q6_K
+    11: Q8_K,
+    12: Q8_K,
+    13: Q8_K,
+    14: Q8_K,
+}
