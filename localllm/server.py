@@ -1,0 +1,887 @@
+"""`localllm serve`: an OpenAI-compatible HTTP API on localhost (FastAPI + uvicorn).
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health.
+Requests are validated here, prompts built by `localllm.prompt`, sampling set up by
+`localllm.sampling`, and every model step runs on the engine thread (`server_engine`), which
+interleaves concurrent requests token by token, each with its own KV cache.
+
+Security defaults: bind 127.0.0.1; on a loopback bind the Host header must name the loopback
+(DNS rebinding) and a browser Origin must be local; bodies are capped; an optional API key is
+required on every endpoint but /health; nothing a request says ever becomes a file path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import json
+import logging
+import socket
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+
+from localllm.errors import LocalLLMError
+from localllm.generate import stream_generate
+from localllm.models import DEFAULT_CTX, Model, load_model
+from localllm.prompt import chat_prompt_ids, raw_prompt_ids
+from localllm.sampling import Sampler, make_logits_processors, make_sampler
+from localllm.server_engine import Engine, EngineBusy, Generation
+from localllm.server_schema import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    chat_messages,
+    check_common,
+    completion_id,
+    legacy_logprobs,
+    now,
+    stop_strings,
+    token_logprobs,
+    usage,
+)
+
+# Not the default of Ollama (11434), llama.cpp (8080), LM Studio (1234), vLLM (8000), nor of
+# the usual web tools (3000, 5000, 7860, 8000, 8080, 8888), nor in /etc/services.
+DEFAULT_PORT = 8357
+DEFAULT_PARALLEL = 4  # sequences decoded in turn; each holds a KV cache
+DEFAULT_MAX_QUEUE = 32  # requests waiting beyond those (no cache yet); past it, 503
+MAX_BODY_BYTES = 4 * 1024 * 1024
+REPEAT_LAST_N = 64  # penalty window, llama.cpp's default (the one `localllm run` uses)
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
+
+log = logging.getLogger("localllm.server")
+
+
+# -- models ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A model the server answers for: its id in the API and its GGUF file."""
+
+    id: str
+    path: Path
+
+
+class ModelPool:
+    """The served models, loaded on first use (on the engine thread) and kept loaded.
+
+    With `specs` (names of installed models, or .gguf paths given by the operator) only those
+    are served; without, every model installed in the store is. A request's model name is only
+    ever looked up, never opened as a path, and nothing is pulled.
+    """
+
+    def __init__(
+        self,
+        specs: list[str],
+        engine: Engine,
+        n_ctx: int | None = None,
+        n_threads: int | None = None,
+        device: str = "auto",
+    ) -> None:
+        self._engine = engine
+        self._load_args = (n_ctx, n_threads, device)
+        self._loaded: dict[str, Model] = {}
+        self._ctx_lengths: dict[str, int] = {}
+        self._fixed: dict[str, ServedModel] | None = None
+        if specs:
+            self._fixed = {}
+            for spec in specs:
+                served = _resolve_spec(spec)
+                self._fixed.setdefault(served.id, served)
+                self._fixed.setdefault(spec, served)  # the name as given is accepted too
+
+    def find(self, name: str) -> ServedModel | None:
+        """The model a request names, or None (-> 404)."""
+        if self._fixed is not None:
+            return self._fixed.get(name)
+        from localllm.pull import is_path
+        from localllm.store import Store
+
+        if not isinstance(name, str) or is_path(name):
+            return None
+        try:
+            installed = Store().resolve(name)
+        except LocalLLMError:  # not a valid model name
+            return None
+        return None if installed is None else ServedModel(installed.name, installed.path)
+
+    def list(self) -> list[ServedModel]:
+        """Every model this server answers for, once each."""
+        if self._fixed is not None:
+            return list({m.id: m for m in self._fixed.values()}.values())
+        from localllm.store import Store
+
+        return [ServedModel(m.name, m.path) for m in Store().list() if m.path.is_file()]
+
+    async def load(self, served: ServedModel) -> Model:
+        """The loaded model (loading it on the engine thread the first time)."""
+        model = self._loaded.get(served.id)
+        if model is None:
+            future = self._engine.call(partial(self._load_on_engine, served))
+            model = await asyncio.wrap_future(future)
+        return model
+
+    def _load_on_engine(self, served: ServedModel) -> Model:
+        # Loads run one at a time on the engine thread, so a model is never loaded twice;
+        # the backend's thread count is also per thread in Numba, and this is the thread
+        # that runs the model.
+        model = self._loaded.get(served.id)
+        if model is None:
+            n_ctx, n_threads, device = self._load_args
+            model = load_model(served.path, n_ctx=n_ctx, n_threads=n_threads, device=device)
+            self._loaded[served.id] = model
+            log.info("loaded %s (context %d) in %.1f s", served.id, model.n_ctx, model.load_seconds)
+        return model
+
+    def context_length(self, served: ServedModel) -> int:
+        """The context size the model has or will have once loaded (reads the GGUF header)."""
+        if served.id in self._loaded:
+            return self._loaded[served.id].n_ctx
+        n_ctx = self._load_args[0]
+        if n_ctx is not None:
+            return n_ctx
+        if served.id not in self._ctx_lengths:
+            from localllm.gguf import read_gguf
+
+            gguf = read_gguf(served.path)
+            try:
+                arch = gguf.metadata.get("general.architecture")
+                # load_model's default: min(training context, DEFAULT_CTX).
+                n_train = int(gguf.metadata.get(f"{arch}.context_length", 2048))
+            finally:
+                gguf.close()
+            self._ctx_lengths[served.id] = min(n_train, DEFAULT_CTX)
+        return self._ctx_lengths[served.id]
+
+    def close(self) -> None:
+        """Unmap every loaded model (after the engine has stopped)."""
+        for model in self._loaded.values():
+            model.close()
+        self._loaded.clear()
+
+
+def _resolve_spec(spec: str) -> ServedModel:
+    """An operator's --model argument: a .gguf path, or the name of an installed model."""
+    from localllm.pull import is_path
+    from localllm.store import Store
+
+    if is_path(spec):
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise LocalLLMError(f"model file {spec} not found")
+        return ServedModel(path.name.removesuffix(".gguf"), path.resolve())
+    installed = Store().resolve(spec)
+    if installed is None:
+        raise LocalLLMError(
+            f"model {spec!r} is not installed; run `localllm pull {spec}` first "
+            "(the server never downloads models)"
+        )
+    return ServedModel(installed.name, installed.path)
+
+
+# -- one generation -------------------------------------------------------------------------
+
+
+@dataclass
+class _Step:
+    """What the engine sends back per step: new text, and the token's logprobs if asked."""
+
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: dict[str, Any] | None = None
+
+
+@dataclass
+class _Job:
+    """A validated request, ready for the engine."""
+
+    served: ServedModel
+    model: Model
+    prompt_ids: list[int]
+    max_tokens: int
+    sampler: Sampler
+    processors: list
+    stop: list[str]
+    top_logprobs: int | None  # None: no logprobs
+    id: str = ""
+    created: int = field(default_factory=now)
+
+
+def _steps(job: _Job) -> Iterator[_Step]:
+    """The engine-side generator: stream_generate on a fresh KV cache, one item per step."""
+    model = job.model
+    want_logprobs = job.top_logprobs is not None
+    responses = stream_generate(
+        model,
+        job.prompt_ids,
+        max_tokens=job.max_tokens,
+        sampler=job.sampler,
+        logits_processors=job.processors,
+        stop=job.stop,
+        # Each request its own sequence: a fresh cache, so that answers never depend on what
+        # else the server has run (the pages are only touched as positions fill).
+        cache=model.transformer.new_cache(),
+        return_logits=want_logprobs,
+    )
+    with contextlib.closing(responses):
+        for r in responses:
+            logprobs = None
+            if want_logprobs and r.token is not None and r.logits is not None:
+                logprobs = token_logprobs(model.tokenizer, r.token, r.logits, job.top_logprobs)
+            yield _Step(r.text, r.finish_reason, r.prompt_tokens, r.generation_tokens, logprobs)
+            if r.finish_reason is not None:
+                log.info(
+                    "%s %s: %d prompt tokens (%.0f t/s), %d generated (%.1f t/s), %s",
+                    job.id,
+                    job.served.id,
+                    r.prompt_tokens,
+                    r.prompt_tps,
+                    r.generation_tokens,
+                    r.generation_tps,
+                    r.finish_reason,
+                )
+
+
+def _sampling(req: ChatCompletionRequest | CompletionRequest) -> tuple[Sampler, list]:
+    """Sampler and penalties from the request, with OpenAI's defaults (temperature 1, top_p 1,
+    no top-k or min-p) for what it leaves out, as vLLM does."""
+    temperature = 1.0 if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else req.top_p
+    top_k = 0 if req.top_k is None or req.top_k < 0 else req.top_k
+    min_p = 0.0 if req.min_p is None else req.min_p
+    # OpenAI takes any 64-bit seed; numpy's generator wants a non-negative one.
+    seed = None if req.seed is None else req.seed % 2**64
+    try:
+        sampler = make_sampler(temperature, top_k, top_p, min_p, seed)
+        processors = make_logits_processors(
+            repeat_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repeat_last_n=REPEAT_LAST_N,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+        )
+    except LocalLLMError as e:
+        raise bad_request(str(e)) from None
+    return sampler, processors
+
+
+def _max_tokens(requested: int | None, n_prompt: int, n_ctx: int, what: str) -> int:
+    """max_tokens, bounded by the context: what is left of it when not given; a 400 when the
+    prompt and the completion asked for do not fit (as OpenAI and vLLM answer; never truncated)."""
+    param = "messages" if what == "messages" else "prompt"
+    if requested is None:
+        if n_prompt >= n_ctx:
+            raise bad_request(
+                f"This model's maximum context length is {n_ctx} tokens. However, your {what} "
+                f"resulted in {n_prompt} tokens, which leaves no room for a completion. "
+                f"Please reduce the length of the {what}.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return n_ctx - n_prompt
+    if n_prompt + requested > n_ctx:
+        raise bad_request(
+            f"This model's maximum context length is {n_ctx} tokens. However, you requested "
+            f"{n_prompt + requested} tokens ({n_prompt} in the {what}, {requested} in the "
+            f"completion). Please reduce the length of the {what} or completion.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+class _State:
+    """What the routes share: the engine and the models."""
+
+    def __init__(self, engine: Engine, pool: ModelPool) -> None:
+        self.engine = engine
+        self.pool = pool
+
+
+async def _prepare(
+    state: _State,
+    req: ChatCompletionRequest | CompletionRequest,
+    build_ids: Callable[[Model], list[int]],
+    what: str,
+    requested_max: int | None,
+    top_logprobs: int | None,
+    id_prefix: str,
+) -> tuple[_Job, Generation]:
+    """Find and load the model, build the prompt off the event loop, check it fits, and
+    start the generation on the engine."""
+    check_common(req)
+    served = state.pool.find(req.model)
+    if served is None:
+        raise APIError(
+            404,
+            f"The model `{req.model}` does not exist or is not served here; "
+            "GET /v1/models lists the served models.",
+            param="model",
+            code="model_not_found",
+        )
+    state.engine.check_room()
+    sampler, processors = _sampling(req)
+    model = await state.pool.load(served)
+    try:
+        prompt_ids = await asyncio.to_thread(build_ids, model)
+    except LocalLLMError as e:  # e.g. the chat template rejected the conversation
+        raise bad_request(str(e), param="messages" if what == "messages" else "prompt") from None
+    if not prompt_ids:
+        raise bad_request(f"the {what} is empty", param="prompt")
+    max_tokens = _max_tokens(requested_max, len(prompt_ids), model.n_ctx, what)
+    job = _Job(
+        served,
+        model,
+        prompt_ids,
+        max_tokens,
+        sampler,
+        processors,
+        stop_strings(req.stop),
+        top_logprobs,
+        id=completion_id(id_prefix),
+    )
+    return job, Generation(state.engine, partial(_steps, job))
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Return when the client goes away (the body has been read by then)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect(gen: Generation) -> tuple[str, _Step, list[dict[str, Any]]]:
+    """All text, the last step and the logprob entries of a non-streaming request."""
+    texts, entries, last = [], [], None
+    try:
+        async for step in gen:
+            texts.append(step.text)
+            if step.logprobs is not None:
+                entries.append(step.logprobs)
+            last = step
+    finally:
+        gen.cancel()
+    if last is None:
+        raise APIError(500, "the generation ended without a result", type="server_error")
+    return "".join(texts), last, entries
+
+
+async def _collect_or_cancel(
+    request: Request, gen: Generation
+) -> tuple[str, _Step, list[dict[str, Any]]] | None:
+    """_collect, cancelled within one engine step if the client disconnects first."""
+    collect = asyncio.ensure_future(_collect(gen))
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not collect.done():
+            collect.cancel()
+            gen.cancel()
+    return collect.result() if collect in done else None
+
+
+def _sse(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+async def _stream(
+    gen: Generation, chunk: Callable[..., dict[str, Any]], include_usage: bool
+) -> AsyncIterator[str]:
+    """Server-sent events: an opening chunk (if chunk(None, None, None) gives one), then
+    chunk(text, logprobs, None) per step, a finish chunk, a usage chunk when asked, and
+    `data: [DONE]`. Starlette cancels it when the client goes away, which cancels `gen`."""
+    try:
+        last = None
+        opening = chunk(None, None, None)
+        if opening is not None:
+            yield _sse(opening)
+        async for step in gen:
+            last = step
+            if step.text or step.logprobs is not None:
+                yield _sse(chunk(step.text, step.logprobs, None))
+        if last is not None:
+            yield _sse(chunk(None, None, last.finish_reason))
+            if include_usage:
+                u = usage(last.prompt_tokens, last.completion_tokens)
+                yield _sse(chunk(None, None, None, usage=u))
+        yield _sse("[DONE]")
+    except Exception as e:  # headers are sent: report in-band, as OpenAI and vLLM do
+        error = e if isinstance(e, APIError) else _internal_error(e)
+        yield _sse(error.body())
+        yield _sse("[DONE]")
+    finally:
+        gen.cancel()
+
+
+def _internal_error(e: Exception) -> APIError:
+    if isinstance(e, EngineBusy):
+        return APIError(503, str(e), type="server_error", code="server_busy")
+    if isinstance(e, LocalLLMError):
+        return APIError(500, str(e), type="server_error")
+    log.exception("internal error", exc_info=e)
+    return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+
+
+# -- the routes -----------------------------------------------------------------------------
+
+
+async def chat_completions(request: Request, req: ChatCompletionRequest) -> Response:
+    """POST /v1/chat/completions."""
+    state: _State = request.app.state.localllm
+    if req.tools:
+        raise bad_request("tools (function calling) are not supported", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("only the text response_format is supported", param="response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    messages = chat_messages(req.messages)
+    top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    # max_completion_tokens is the newer name; it wins when both are given.
+    requested = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+    job, gen = await _prepare(
+        state,
+        req,
+        lambda model: chat_prompt_ids(model, messages),
+        "messages",
+        requested,
+        top_logprobs,
+        "chatcmpl",
+    )
+    base = {"id": job.id, "created": job.created, "model": job.served.id}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(text, logprobs, finish, usage=None):
+            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}
+            if text is None and logprobs is None and finish is None and usage is None:
+                choice["delta"] = {"role": "assistant", "content": ""}  # the opening chunk
+            elif text is not None or logprobs is not None:
+                choice["delta"] = {"content": text or ""}
+                if logprobs is not None:
+                    choice["logprobs"] = {"content": [logprobs]}
+            body = {**base, "object": "chat.completion.chunk"}
+            body["choices"] = [] if usage is not None else [choice]
+            if include_usage:
+                body["usage"] = usage
+            return body
+
+        return _event_stream(_stream(gen, chunk, include_usage))
+    result = await _collect_or_cancel(request, gen)
+    if result is None:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+    text, last, entries = result
+    return JSONResponse(
+        {
+            **base,
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": {"content": entries} if top_logprobs is not None else None,
+                    "finish_reason": last.finish_reason,
+                }
+            ],
+            "usage": usage(last.prompt_tokens, last.completion_tokens),
+        }
+    )
+
+
+async def completions(request: Request, req: CompletionRequest) -> Response:
+    """POST /v1/completions: a raw prompt, no chat template."""
+    state: _State = request.app.state.localllm
+    if req.echo:
+        raise bad_request("echo is not supported", param="echo")
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != 1:
+        raise bad_request("only best_of=1 is supported", param="best_of")
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request("only one prompt per request is supported", param="prompt")
+        prompt = prompt[0]
+
+    def build_ids(model: Model) -> list[int]:
+        if isinstance(prompt, str):
+            return raw_prompt_ids(model, prompt)
+        vocab = model.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise bad_request(f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
+        return list(prompt)
+
+    top_logprobs = req.logprobs
+    job, gen = await _prepare(state, req, build_ids, "prompt", req.max_tokens, top_logprobs, "cmpl")
+    base = {"id": job.id, "created": job.created, "model": job.served.id}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        offset = 0
+
+        def chunk(text, logprobs, finish, usage=None):
+            nonlocal offset
+            if text is None and logprobs is None and finish is None and usage is None:
+                return None  # completions streams have no opening chunk
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            if logprobs is not None:
+                choice["logprobs"] = legacy_logprobs([logprobs], offset)
+                offset += len(logprobs["token"])
+            body = {**base, "object": "text_completion"}
+            body["choices"] = [] if usage is not None else [choice]
+            if include_usage:
+                body["usage"] = usage
+            return body
+
+        return _event_stream(_stream(gen, chunk, include_usage))
+    result = await _collect_or_cancel(request, gen)
+    if result is None:
+        return Response(status_code=499)
+    text, last, entries = result
+    return JSONResponse(
+        {
+            **base,
+            "object": "text_completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "text": text,
+                    "logprobs": legacy_logprobs(entries) if top_logprobs is not None else None,
+                    "finish_reason": last.finish_reason,
+                }
+            ],
+            "usage": usage(last.prompt_tokens, last.completion_tokens),
+        }
+    )
+
+
+def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def list_models(request: Request) -> JSONResponse:
+    """GET /v1/models, with each model's context length (vLLM's `max_model_len`)."""
+    state: _State = request.app.state.localllm
+    served = await asyncio.to_thread(state.pool.list)
+    data = [await _model_card(state, m) for m in served]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def get_model(request: Request, model_id: str) -> JSONResponse:
+    """GET /v1/models/{model_id}."""
+    state: _State = request.app.state.localllm
+    served = await asyncio.to_thread(state.pool.find, model_id)
+    if served is None:
+        raise APIError(
+            404, f"The model `{model_id}` does not exist", param="model", code="model_not_found"
+        )
+    return JSONResponse(await _model_card(state, served))
+
+
+async def _model_card(state: _State, served: ServedModel) -> dict[str, Any]:
+    try:
+        n_ctx = await asyncio.to_thread(state.pool.context_length, served)
+    except LocalLLMError as e:
+        raise APIError(500, f"model {served.id}: {e}", type="server_error") from None
+    return {
+        "id": served.id,
+        "object": "model",
+        "created": int(served.path.stat().st_mtime) if served.path.exists() else 0,
+        "owned_by": "localllm",
+        "max_model_len": n_ctx,
+        "context_length": n_ctx,  # the name LM Studio and OpenRouter use
+    }
+
+
+async def health(request: Request) -> JSONResponse:
+    """GET /health: up, and how many requests are running and waiting."""
+    state: _State = request.app.state.localllm
+    return JSONResponse({"status": "ok", **state.engine.stats()})
+
+
+# -- the guard: host, origin, key, body size ------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server on this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_header_ok(value: str) -> bool:
+    # "localhost:8357" / "127.0.0.1" / "[::1]:80": the name without the port must be loopback.
+    value = value.strip().lower()
+    name = value[: value.find("]") + 1] if value.startswith("[") else value.rsplit(":", 1)[0]
+    return name in LOOPBACK_HOSTS
+
+
+def _origin_ok(origin: str) -> bool:
+    try:
+        host = urlsplit(origin).hostname or ""
+    except ValueError:
+        return False
+    return host in ("localhost", "127.0.0.1", "::1")
+
+
+class _Guard:
+    """ASGI middleware run before routing: DNS-rebinding and browser cross-origin checks on a
+    loopback bind, the API key, and the request body cap (413)."""
+
+    def __init__(self, app, *, loopback: bool, api_key: str | None, max_body: int) -> None:
+        self.app = app
+        self.loopback = loopback
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body = max_body
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        error = self._check(scope, headers)
+        if error is not None:
+            await JSONResponse(error.body(), error.status, headers=error.headers)(
+                scope, receive, send
+            )
+            return
+        received = 0
+        max_body = self.max_body
+
+        async def limited_receive():
+            # Bodies without a Content-Length (chunked) are counted as they arrive. FastAPI
+            # re-raises an HTTPException from reading the body, so this becomes the 413.
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > max_body:
+                    raise HTTPException(413, _too_large(max_body))
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _check(self, scope, headers: Headers) -> APIError | None:
+        if self.loopback and not _host_header_ok(headers.get("host", "")):
+            return APIError(
+                403,
+                "this server only answers requests addressed to localhost, 127.0.0.1 or [::1]",
+                code="invalid_host",
+            )
+        origin = headers.get("origin")
+        if self.loopback and origin is not None and not _origin_ok(origin):
+            return APIError(
+                403, f"cross-origin requests from {origin} are refused", code="invalid_origin"
+            )
+        if self.api_key is not None and scope["path"] != "/health":
+            auth = headers.get("authorization", "")
+            scheme, _, key = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                key.strip().encode(), self.api_key
+            ):
+                return APIError(
+                    401,
+                    "Incorrect API key provided."
+                    if auth
+                    else "Missing API key: send "
+                    "'Authorization: Bearer KEY' (the key given to --api-key).",
+                    code="invalid_api_key",
+                )
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return APIError(400, "invalid Content-Length header")
+            if int(length) > self.max_body:
+                return APIError(413, _too_large(self.max_body), code="request_too_large")
+        return None
+
+
+def _too_large(max_body: int) -> str:
+    return f"the request body is larger than the limit of {max_body} bytes"
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422 becomes OpenAI's 400, naming the first offending field."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        error = bad_request(f"the request body is not valid JSON: {detail}".rstrip(": "))
+    elif not loc:
+        error = bad_request(f"the request body must be a JSON object ({first['msg']})")
+    else:
+        param = ""
+        for p in loc:
+            param += f"[{p}]" if isinstance(p, int) else (f".{p}" if param else str(p))
+        error = bad_request(f"{param}: {first['msg']}", param=param)
+    return JSONResponse(error.body(), 400)
+
+
+def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+
+
+def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    code = "request_too_large" if exc.status_code == 413 else None
+    message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    if exc.status_code == 404:
+        message = f"no such endpoint: {request.method} {request.url.path}"
+    error = APIError(exc.status_code, message, code=code)
+    return JSONResponse(error.body(), exc.status_code, headers=getattr(exc, "headers", None))
+
+
+def _busy(request: Request, exc: EngineBusy) -> JSONResponse:
+    error = APIError(503, str(exc), type="server_error", code="server_busy")
+    return JSONResponse(error.body(), 503, headers={"Retry-After": "1"})
+
+
+def _server_error(request: Request, exc: Exception) -> JSONResponse:
+    error = _internal_error(exc)
+    return JSONResponse(error.body(), error.status)
+
+
+# -- the app and the command ----------------------------------------------------------------
+
+
+def create_app(
+    models: list[str] | None = None,
+    host: str = "127.0.0.1",
+    api_key: str | None = None,
+    n_ctx: int | None = None,
+    n_threads: int | None = None,
+    device: str = "auto",
+    parallel: int = DEFAULT_PARALLEL,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    max_body: int = MAX_BODY_BYTES,
+) -> FastAPI:
+    """The ASGI app. `models`: installed model names or .gguf paths (none: every installed
+    model); `host`: the address it will be bound to (a loopback one turns on the Host and
+    Origin checks). Raises LocalLLMError for a model that is not there."""
+    engine = Engine(parallel=parallel, max_queue=max_queue)
+    pool = ModelPool(list(models or []), engine, n_ctx, n_threads, device)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        engine.stop()
+        pool.close()
+
+    app = FastAPI(
+        title="localllm",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        lifespan=lifespan,
+    )
+    app.state.localllm = _State(engine, pool)
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(EngineBusy, _busy)
+    app.add_exception_handler(Exception, _server_error)
+    app.add_middleware(
+        _Guard, loopback=is_loopback(host), api_key=api_key or None, max_body=max_body
+    )
+    return app
+
+
+def serve(
+    models: list[str] | None = None,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    api_key: str | None = None,
+    n_ctx: int | None = None,
+    n_threads: int | None = None,
+    device: str = "auto",
+    parallel: int = DEFAULT_PARALLEL,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    max_body: int = MAX_BODY_BYTES,
+    log_level: str = "info",
+) -> None:
+    """Serve the API until interrupted (blocking). Startup messages go to stderr."""
+    import uvicorn
+
+    app = create_app(models, host, api_key, n_ctx, n_threads, device, parallel, max_queue, max_body)
+    sock = _listen(host, port)
+    warning = exposure_warning(host, port, api_key)
+    if warning:
+        print(warning, file=sys.stderr)
+    # One line per request with its speed, in the same style as uvicorn's own log lines.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(log_level.upper())
+    pool: ModelPool = app.state.localllm.pool
+    names = ", ".join(m.id for m in pool.list()) or "(none installed yet)"
+    shown = f"[{host}]" if ":" in host else host
+    print(f"localllm: serving {names} at http://{shown}:{port}/v1", file=sys.stderr)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def exposure_warning(host: str, port: int, api_key: str | None) -> str | None:
+    """The loud warning for a server others can reach without a key, or None."""
+    if is_loopback(host) or api_key:
+        return None
+    return (
+        "\n"
+        + "!" * 78
+        + "\nWARNING: localllm is listening on a non-loopback address without --api-key."
+        f"\nWARNING: anyone who can reach {host}:{port} can use your models and your CPU."
+        "\nWARNING: pass --api-key KEY (clients send it as their OpenAI API key),"
+        " or bind 127.0.0.1.\n" + "!" * 78 + "\n"
+    )
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A bound, listening socket, so that a busy port is one clear error, not a traceback."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        raise LocalLLMError(
+            f"cannot listen on {host}:{port}: {e.strerror or e}; is another server using "
+            "the port? pick another with --port"
+        ) from None
+    sock.set_inheritable(True)
+    return sock

@@ -1,0 +1,508 @@
+"""`localllm serve`: the live server on 127.0.0.1 driven by the official `openai` client.
+
+The server runs uvicorn in a background thread on a free port with the real smollm2-135m model;
+greedy answers are compared with what the library itself generates for the same prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from conftest import model_path
+
+from localllm.errors import LocalLLMError
+from localllm.generate import generate
+from localllm.models import load_model
+from localllm.prompt import chat_prompt_ids, raw_prompt_ids
+from localllm.server import create_app, exposure_warning, is_loopback, serve
+from localllm.server_engine import Engine, EngineBusy, Generation
+from localllm.store import Store
+
+MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
+N_CTX = 512
+KEY = "test-key"
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+@contextmanager
+def running_server(**kwargs) -> Iterator[tuple[str, object]]:
+    """(base URL, app) of a server on a free loopback port, shut down afterwards."""
+    kwargs.setdefault("models", [str(model_path("smollm2-135m"))])
+    app = create_app(n_ctx=N_CTX, device="cpu", **kwargs)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    with running_server(api_key=KEY, parallel=4, max_queue=4) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def local_model():
+    """The same model, loaded in the test process, to say what the answers must be."""
+    model = load_model(model_path("smollm2-135m"), n_ctx=N_CTX, device="cpu")
+    yield model
+    model.close()
+
+
+def chat(client, messages=HELLO, **kwargs):
+    kwargs.setdefault("temperature", 0)
+    kwargs.setdefault("max_tokens", 16)
+    return client.chat.completions.create(model=MODEL_ID, messages=messages, **kwargs)
+
+
+def stream_chat(client, messages=HELLO, **kwargs) -> tuple[str, list]:
+    kwargs.setdefault("temperature", 0)
+    kwargs.setdefault("max_tokens", 16)
+    chunks = list(
+        client.chat.completions.create(model=MODEL_ID, messages=messages, stream=True, **kwargs)
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+def post(url: str, body, key: str | None = KEY, **kwargs) -> httpx.Response:
+    headers = {"Content-Type": "application/json", **kwargs.pop("headers", {})}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    content = body if isinstance(body, (bytes, str, Iterator)) else json.dumps(body)
+    kwargs.setdefault("timeout", 60)
+    return httpx.post(url, content=content, headers=headers, **kwargs)
+
+
+def raw_post(url: str, length_header: str, body: bytes) -> tuple[int, dict]:
+    """POST /v1/chat/completions over a bare socket; (status, error) of the answer. Lets a test
+    send a body that the server refuses part-way without the client tripping over the close."""
+    host, port = url.removeprefix("http://").split(":")
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+        f"{length_header}\r\nConnection: close\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head.encode() + body)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            data = sock.recv(65536)
+            if not data:
+                break
+            answer += data
+    status_line, _, rest = answer.partition(b"\r\n")
+    payload = rest.partition(b"\r\n\r\n")[2]
+    return int(status_line.split()[1]), json.loads(payload)["error"]
+
+
+def assert_envelope(response: httpx.Response, status: int, code=None, param=None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if code is not None:
+        assert error["code"] == code
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+# -- the API through the official client ---------------------------------------------------
+
+
+def test_models_list_and_retrieve(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL_ID]
+    assert models[0].model_extra["max_model_len"] == N_CTX
+    assert client.models.retrieve(MODEL_ID).id == MODEL_ID
+
+
+def test_chat_matches_library_and_stream(client, local_model):
+    ids = chat_prompt_ids(local_model, HELLO)
+    expected = generate(local_model, ids, max_tokens=16, cache=local_model.transformer.new_cache())
+    response = chat(client)
+    choice = response.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected
+    assert choice.finish_reason == "length"
+    assert response.object == "chat.completion" and response.model == MODEL_ID
+    assert response.id.startswith("chatcmpl-")
+    assert response.usage.prompt_tokens == len(ids)
+    assert response.usage.completion_tokens == 16
+    assert response.usage.total_tokens == len(ids) + 16
+
+    text, chunks = stream_chat(client, stream_options={"include_usage": True})
+    assert text == expected
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage == response.usage
+
+
+def test_stream_ends_with_done(server):
+    with httpx.stream(
+        "POST",
+        f"{server}/v1/chat/completions",
+        json={"model": MODEL_ID, "messages": HELLO, "max_tokens": 4, "stream": True},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    ) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    assert "usage" not in json.loads(events[-2][6:])  # only with stream_options.include_usage
+
+
+def test_text_parts_and_developer_role(client):
+    plain = chat(client, [{"role": "system", "content": "Be brief."}, *HELLO]).choices[0]
+    parts = chat(
+        client,
+        [
+            {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+            {"role": "user", "content": [{"type": "text", "text": "Say hello."}]},
+        ],
+    ).choices[0]
+    assert parts.message.content == plain.message.content
+
+
+def test_stop_string(client):
+    full = chat(client).choices[0].message.content
+    words = full.split(" ")
+    assert len(words) > 3, full
+    stop = " " + words[2]
+    response = chat(client, stop=[stop, "never-appears"])
+    assert response.choices[0].message.content == full[: full.index(stop)]
+    assert response.choices[0].finish_reason == "stop"
+    text, _ = stream_chat(client, stop=stop)
+    assert text == full[: full.index(stop)]
+
+
+def test_logprobs(client):
+    response = chat(client, max_tokens=8, logprobs=True, top_logprobs=3)
+    choice = response.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == response.usage.completion_tokens == 8
+    assert "".join(t.token for t in content) == choice.message.content
+    for t in content:
+        assert t.logprob <= 0 and bytes(t.bytes).decode() == t.token
+        assert len(t.top_logprobs) == 3
+        top = [alt.logprob for alt in t.top_logprobs]
+        assert top == sorted(top, reverse=True)
+        # Greedy: the chosen token is the most likely one.
+        assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob
+    assert chat(client, max_tokens=2).choices[0].logprobs is None
+    # Streamed logprobs are the same entries, spread over the chunks.
+    _, chunks = stream_chat(client, max_tokens=8, logprobs=True, top_logprobs=3)
+    streamed = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+
+
+def test_completions(client, local_model):
+    prompt = "The capital of France is"
+    ids = raw_prompt_ids(local_model, prompt)
+    expected = generate(local_model, ids, max_tokens=8, cache=local_model.transformer.new_cache())
+    response = client.completions.create(
+        model=MODEL_ID, prompt=prompt, temperature=0, max_tokens=8, logprobs=2
+    )
+    choice = response.choices[0]
+    assert response.object == "text_completion" and choice.text == expected
+    assert response.usage.prompt_tokens == len(ids) and response.usage.completion_tokens == 8
+    assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) == 8
+    assert all(len(alternatives) == 2 for alternatives in choice.logprobs.top_logprobs)
+    assert choice.logprobs.text_offset[0] == 0
+    # The same prompt as token ids, and streamed.
+    by_ids = client.completions.create(model=MODEL_ID, prompt=ids, temperature=0, max_tokens=8)
+    assert by_ids.choices[0].text == expected
+    stream = client.completions.create(
+        model=MODEL_ID, prompt=prompt, temperature=0, max_tokens=8, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == expected
+    # Legacy completions default to 16 tokens, as OpenAI's and vLLM's do.
+    default = client.completions.create(model=MODEL_ID, prompt=prompt, temperature=0)
+    assert default.usage.completion_tokens == 16
+
+
+def test_seed_makes_sampling_reproducible(client):
+    a = chat(client, temperature=1.0, seed=1234, max_tokens=12).choices[0].message.content
+    b = chat(client, temperature=1.0, seed=1234, max_tokens=12).choices[0].message.content
+    assert a == b
+
+
+def test_concurrent_requests_match_sequential(server, client):
+    prompts = [
+        "Say hello.",
+        "Name a colour.",
+        "What is two plus two?",
+        "Write one word about the sea.",
+    ]
+
+    def ask(text: str) -> str:
+        messages = [{"role": "user", "content": text}]
+        return chat(client, messages, max_tokens=12).choices[0].message.content
+
+    alone = [ask(p) for p in prompts]
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            results[i] = ask(prompts[i])
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    most_active = 0
+    while any(t.is_alive() for t in threads):
+        most_active = max(most_active, httpx.get(f"{server}/health").json()["active"])
+        time.sleep(0.01)
+    assert not errors, errors
+    assert [results[i] for i in range(len(prompts))] == alone
+    assert most_active >= 2  # they really ran at the same time, interleaved
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+def test_bad_requests_get_openai_errors(server, client):
+    url = f"{server}/v1/chat/completions"
+    good = {"model": MODEL_ID, "messages": HELLO, "max_tokens": 2, "temperature": 0}
+    assert_envelope(post(url, b'{"model": "x", "messages": ['), 400)
+    assert_envelope(post(url, {**good, "max_tokens": -5}), 400, param="max_tokens")
+    assert_envelope(post(url, {**good, "n": 3}), 400, param="n")
+    assert_envelope(post(url, {"model": MODEL_ID}), 400, param="messages")
+    assert_envelope(post(url, {**good, "temperature": 3}), 400, param="temperature")
+    assert_envelope(post(url, [1, 2]), 400)
+    assert_envelope(post(url, json.dumps(good), headers={"Content-Type": "text/plain"}), 400)
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    assert_envelope(
+        post(url, {**good, "messages": [{"role": "user", "content": [image]}]}),
+        400,
+        param="messages[0].content[0]",
+    )
+    assert_envelope(post(url, {**good, "model": "no-such-model"}), 404, code="model_not_found")
+    assert_envelope(post(url, {**good, "model": "../../etc/passwd.gguf"}), 404)
+    assert_envelope(post(f"{server}/v1/nothing", good), 404)
+    assert post(url, {**good, "padding": "x" * (64 << 10)}).status_code == 200  # under the cap
+    # Over the 4 MiB cap: refused on the declared length, before any of it is read...
+    status, error = raw_post(server, f"Content-Length: {5 << 20}", b"")
+    assert (status, error["code"]) == (413, "request_too_large")
+    # ...or, without a length (chunked), as soon as the bytes read pass the cap.
+    over = (4 << 20) + 1
+    status, error = raw_post(server, "Transfer-Encoding: chunked", b"%x\r\n" % over + b"x" * over)
+    assert status == 413 and error["message"]
+    assert_envelope(post(url, good, key="wrong"), 401, code="invalid_api_key")
+    assert_envelope(post(url, good, key=None), 401, code="invalid_api_key")
+
+    # The official client maps them to its exception types.
+    with pytest.raises(openai.BadRequestError):
+        chat(client, n=3)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=HELLO)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
+
+    # ...and the server keeps serving.
+    assert post(url, good).status_code == 200
+    assert httpx.get(f"{server}/health").json() == {"status": "ok", "active": 0, "waiting": 0}
+
+
+def test_context_overflow_is_an_error_not_a_truncation(server, client, local_model):
+    url = f"{server}/v1/chat/completions"
+    long_text = "the quick brown fox jumps over the lazy dog " * 80
+    long_messages = [{"role": "user", "content": long_text}]
+    assert len(chat_prompt_ids(local_model, long_messages)) > N_CTX
+    error = assert_envelope(
+        post(url, {"model": MODEL_ID, "messages": long_messages}),
+        400,
+        code="context_length_exceeded",
+    )
+    assert str(N_CTX) in error["message"]
+    # A short prompt asking for more tokens than the context leaves is refused the same way.
+    assert_envelope(
+        post(url, {"model": MODEL_ID, "messages": HELLO, "max_tokens": N_CTX}),
+        400,
+        code="context_length_exceeded",
+    )
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=MODEL_ID, prompt=long_text, max_tokens=4)
+    assert raised.value.code == "context_length_exceeded"
+    assert chat(client, max_tokens=2).choices[0].message.content
+
+
+def test_host_and_origin_checks(server):
+    url = f"{server}/v1/models"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for host in ["localhost:8357", "127.0.0.1", "[::1]:80", "LOCALHOST"]:
+        assert httpx.get(url, headers={**auth, "Host": host}).status_code == 200, host
+    for host in ["evil.example", "evil.example:8357", "127.0.0.1.evil.example", "localhost.:1"]:
+        response = httpx.get(url, headers={**auth, "Host": host})
+        assert_envelope(response, 403, code="invalid_host")
+    origin = {**auth, "Origin": "http://localhost:3000"}
+    assert httpx.get(url, headers=origin).status_code == 200
+    for bad in ["http://evil.example", "null"]:
+        response = httpx.get(url, headers={**auth, "Origin": bad})
+        assert_envelope(response, 403, code="invalid_origin")
+    # /health needs no key, but the Host check still applies.
+    assert httpx.get(f"{server}/health").status_code == 200
+    assert httpx.get(f"{server}/health", headers={"Host": "evil.example"}).status_code == 403
+
+
+def test_disconnect_cancels_and_queue_limit():
+    # Counting goes on until max_tokens: the request would run for a long time.
+    body = {"model": MODEL_ID, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 400, "temperature": 0}
+    with running_server(parallel=1, max_queue=0) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        completions = f"{url}/v1/completions"
+        with httpx.stream("POST", completions, json={**body, "stream": True}, timeout=60) as r:
+            events = (line for line in r.iter_lines() if line.startswith("data: "))
+            for _ in range(2):
+                assert json.loads(next(events)[6:])["choices"][0]["finish_reason"] is None
+            assert httpx.get(f"{url}/health").json()["active"] == 1
+            # The one slot is taken and nothing may queue: 503, in the envelope.
+            busy = post(completions, body, key=None)
+            assert_envelope(busy, 503, code="server_busy")
+            assert busy.headers["retry-after"] == "1"
+        # The client hung up mid-stream: the sequence is dropped within a step.
+        wait_until_idle(url)
+        start = time.monotonic()
+        assert chat(client, max_tokens=4).usage.completion_tokens == 4
+        assert time.monotonic() - start < 10
+
+        # A non-streaming request whose client gives up is cancelled too.
+        with pytest.raises(httpx.TimeoutException):
+            post(completions, body, key=None, timeout=1.0)
+        wait_until_idle(url)
+
+
+def wait_until_idle(url: str, limit: float = 3.0) -> None:
+    deadline = time.monotonic() + limit
+    while httpx.get(f"{url}/health").json() != {"status": "ok", "active": 0, "waiting": 0}:
+        assert time.monotonic() < deadline, "the cancelled sequence is still running"
+        time.sleep(0.02)
+
+
+def test_models_from_the_store():
+    Store().register_file(model_path("smollm2-135m"))
+    name = Store().list()[0].name
+    with running_server(models=[]) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [name]
+        response = client.chat.completions.create(model=name, messages=HELLO, max_tokens=2)
+        assert response.model == name
+        # A request never names a file: a path is just an unknown model.
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(
+                model=str(model_path("smollm2-135m")), messages=HELLO, max_tokens=2
+            )
+
+
+# -- pieces without the model --------------------------------------------------------------
+
+
+def test_unknown_model_at_startup_and_busy_port():
+    with pytest.raises(LocalLLMError, match="not installed"):
+        create_app(["no-such-model"])
+    with pytest.raises(LocalLLMError, match="not found"):
+        create_app(["missing/file.gguf"])
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        with pytest.raises(LocalLLMError, match="cannot listen"):
+            serve([str(model_path("smollm2-135m"))], port=taken.getsockname()[1])
+    finally:
+        taken.close()
+
+
+def test_exposure_warning():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.2")
+    assert exposure_warning("127.0.0.1", 8357, None) is None
+    assert exposure_warning("0.0.0.0", 8357, "key") is None
+    assert "WARNING" in exposure_warning("0.0.0.0", 8357, None)
+
+
+def test_engine_interleaves_and_cancels():
+    """Round-robin: each sequence advances one step per round; cancelling stops it."""
+
+    async def main():
+        engine = Engine(parallel=2, max_queue=1)
+        log: list[tuple[str, int]] = []
+
+        def steps(name: str, n: int):
+            for i in range(n):
+                time.sleep(0.001)  # a model step takes time
+                log.append((name, i))
+                yield i
+
+        gate = threading.Event()
+        engine.call(gate.wait)  # hold the engine until all are queued
+        a = Generation(engine, lambda: steps("a", 3))
+        b = Generation(engine, lambda: steps("b", 3))
+        c = Generation(engine, lambda: steps("c", 1000))  # waits: parallel is 2
+        with pytest.raises(EngineBusy):
+            Generation(engine, lambda: steps("d", 1))
+        gate.set()
+        assert [x async for x in a] == [0, 1, 2]
+        assert [x async for x in b] == [0, 1, 2]
+        assert log[:4] == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
+        assert await c.__anext__() == 0
+        c.cancel()
+        n_at_cancel = len([x for x in log if x[0] == "c"])
+        for _ in range(100):
+            if engine.stats() == {"active": 0, "waiting": 0}:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.stats() == {"active": 0, "waiting": 0}
+        # At most the step already running when the flag was set.
+        assert len([x for x in log if x[0] == "c"]) <= n_at_cancel + 1
+
+        def failing():
+            yield 1
+            raise LocalLLMError("boom")
+
+        f = Generation(engine, failing)
+        assert await f.__anext__() == 1
+        with pytest.raises(LocalLLMError, match="boom"):
+            await f.__anext__()
+        engine.stop()
+
+    asyncio.run(main())
