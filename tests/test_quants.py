@@ -144,6 +144,17 @@ def test_dequantize_every_16_bit_pattern(name):
     assert_bit_exact(dequantize(raw, int(gtype)), gguf.quants.dequantize(raw, gtype))
 
 
+def test_every_f16_scale_bit_pattern():
+    """Q8_0 blocks with every possible scale and quants of 1: the dequantized values are d."""
+    raw = np.ones((2**16, 34), np.uint8)
+    raw[:, :2] = np.arange(2**16, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
+    raw = raw.reshape(64, -1)
+    ours = dequantize(raw, ggml_id("Q8_0"))
+    assert_bit_exact(ours, gguf.quants.dequantize(raw, GGMLQuantizationType.Q8_0))
+    scales = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    assert_bit_exact(ours.reshape(-1, 32)[:, 0].copy(), scales)
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "BF16", "F16"])
 def test_dequantize_gguf_quantized_floats(name):
     gtype = GGMLQuantizationType[name]

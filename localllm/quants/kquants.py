@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .float import TILE_ROWS, check_shapes, load_f16, matmul_rows
+from .float import TILE_ROWS, check_shapes, hide_constant, load_f16, matmul_rows
 
 QK_K = 256
 
@@ -62,17 +62,28 @@ def _q2_k_scale(row, offset, d, dmin):
 @njit(cache=True)
 def dequantize_row_q2_k(row, out):
     """Q2_K row uint8[n_cols // 256 * 84] -> out float32[n_cols]."""
+    n16 = hide_constant(16)  # keeps the loop below vectorizable
     for b in range(out.shape[0] // QK_K):
         o = b * 84
         d = load_f16(row, o + 80)
         dmin = load_f16(row, o + 82)
-        for j in range(16):
-            dl, ml = _q2_k_scale(row, o + j, d, dmin)
-            q_at = o + 16 + (j >> 3) * 32 + (j & 1) * 16
-            shift = 2 * ((j >> 1) & 3)
-            e = b * QK_K + j * 16
-            for i in range(16):
-                out[e + i] = dl * np.float32((row[q_at + i] >> shift) & 3) - ml
+        for h in range(2):
+            for half in range(2):
+                # byte qs[32 h + 16 half + i] holds weight 128 h + 32 k + 16 half + i in bits 2k,
+                # in sub-block 8 h + 2 k + half; constant shifts, four weights per step
+                s = o + 8 * h + half
+                d0, m0 = _q2_k_scale(row, s, d, dmin)
+                d1, m1 = _q2_k_scale(row, s + 2, d, dmin)
+                d2, m2 = _q2_k_scale(row, s + 4, d, dmin)
+                d3, m3 = _q2_k_scale(row, s + 6, d, dmin)
+                q_at = o + 16 + 32 * h + 16 * half
+                e = b * QK_K + 128 * h + 16 * half
+                for i in range(n16):
+                    q = row[q_at + i]
+                    out[e + i] = d0 * np.float32(q & 3) - m0
+                    out[e + 32 + i] = d1 * np.float32((q >> 2) & 3) - m1
+                    out[e + 64 + i] = d2 * np.float32((q >> 4) & 3) - m2
+                    out[e + 96 + i] = d3 * np.float32(q >> 6) - m3
 
 
 @njit(cache=True)
@@ -144,24 +155,29 @@ def matmul_q2_k(w, x, out):
 @njit(cache=True)
 def dequantize_row_q3_k(row, out):
     """Q3_K row uint8[n_cols // 256 * 110] -> out float32[n_cols]."""
+    n16 = hide_constant(16)  # keeps the loop below vectorizable
     for b in range(out.shape[0] // QK_K):
         o = b * 110
         d = load_f16(row, o + 108)
-        for j in range(16):
-            dl = d * np.float32(_q3_k_scale(row, o + 96, j))
-            q_at = o + 32 + (j >> 3) * 32 + (j & 1) * 16
-            shift = 2 * ((j >> 1) & 3)
-            h_at = o + (j & 1) * 16
-            h_bit = j >> 1
-            e = b * QK_K + j * 16
-            for i in range(16):
-                # a clear hmask bit means "subtract 4"
-                q = (
-                    np.int32((row[q_at + i] >> shift) & 3)
-                    - 4
-                    + 4 * np.int32((row[h_at + i] >> h_bit) & 1)
-                )
-                out[e + i] = dl * np.float32(q)
+        for h in range(2):
+            for half in range(2):
+                # as Q2_K; the third bit of weight 128 h + 32 k + i is bit 4 h + k of hmask[i]
+                j = 8 * h + half
+                d0 = d * np.float32(_q3_k_scale(row, o + 96, j))
+                d1 = d * np.float32(_q3_k_scale(row, o + 96, j + 2))
+                d2 = d * np.float32(_q3_k_scale(row, o + 96, j + 4))
+                d3 = d * np.float32(_q3_k_scale(row, o + 96, j + 6))
+                q_at = o + 32 + 32 * h + 16 * half
+                m_at = o + 16 * half
+                e = b * QK_K + 128 * h + 16 * half
+                for i in range(n16):
+                    q = np.int32(row[q_at + i])
+                    m = np.int32(row[m_at + i]) >> (4 * h)
+                    # a clear hmask bit means "subtract 4"
+                    out[e + i] = d0 * np.float32((q & 3) - 4 + ((m & 1) << 2))
+                    out[e + 32 + i] = d1 * np.float32(((q >> 2) & 3) - 4 + ((m & 2) << 1))
+                    out[e + 64 + i] = d2 * np.float32(((q >> 4) & 3) - 4 + (m & 4))
+                    out[e + 96 + i] = d3 * np.float32((q >> 6) - 4 + ((m & 8) >> 1))
 
 
 @njit(cache=True)
@@ -237,6 +253,7 @@ def matmul_q3_k(w, x, out):
 @njit(cache=True)
 def dequantize_row_q4_k(row, out):
     """Q4_K row uint8[n_cols // 256 * 144] -> out float32[n_cols]."""
+    n32 = hide_constant(32)  # keeps the loop below vectorizable
     for b in range(out.shape[0] // QK_K):
         o = b * 144
         d = load_f16(row, o)
@@ -248,7 +265,7 @@ def dequantize_row_q4_k(row, out):
             q_at = o + 16 + (j >> 1) * 32
             shift = 4 * (j & 1)
             e = b * QK_K + j * 32
-            for i in range(32):
+            for i in range(n32):
                 out[e + i] = ds * np.float32((row[q_at + i] >> shift) & 15) - dm
 
 
@@ -309,6 +326,7 @@ def matmul_q4_k(w, x, out):
 @njit(cache=True)
 def dequantize_row_q5_k(row, out):
     """Q5_K row uint8[n_cols // 256 * 176] -> out float32[n_cols]."""
+    n32 = hide_constant(32)  # keeps the loop below vectorizable
     for b in range(out.shape[0] // QK_K):
         o = b * 176
         d = load_f16(row, o)
@@ -320,7 +338,7 @@ def dequantize_row_q5_k(row, out):
             q_at = o + 48 + (j >> 1) * 32
             shift = 4 * (j & 1)
             e = b * QK_K + j * 32
-            for i in range(32):
+            for i in range(n32):
                 q = ((row[q_at + i] >> shift) & 15) | (((row[o + 16 + i] >> j) & 1) << 4)
                 out[e + i] = ds * np.float32(q) - dm
 
@@ -381,25 +399,37 @@ def matmul_q5_k(w, x, out):
 
 # ---- Q6_K: 16 sub-blocks of 16 with int8 scales ----
 # Weight e = 128 h + 32 k + i (h < 2, k < 4, i < 32) has its low 4 bits in the
-# (k >> 1) nibble of ql[64 h + 32 (k & 1) + i] and its high 2 bits at bit 2k of qh[32 h + i].
+# (k >> 1) nibble of ql[64 h + 32 (k & 1) + i] and its high 2 bits at bit 2k of qh[32 h + i];
+# its sub-block is 8 h + 2 k + (i >= 16).
 
 
 @njit(cache=True)
 def dequantize_row_q6_k(row, out):
     """Q6_K row uint8[n_cols // 256 * 210] -> out float32[n_cols]."""
+    n16 = hide_constant(16)  # keeps the loop below vectorizable
     for b in range(out.shape[0] // QK_K):
         o = b * 210
         d = load_f16(row, o + 208)
-        for j in range(16):
-            h, k, half = j >> 3, (j >> 1) & 3, j & 1
-            dl = d * np.float32(np.int8(row[o + 192 + j]))
-            ql_at = o + h * 64 + (k & 1) * 32 + half * 16
-            ql_shift = 4 * (k >> 1)
-            qh_at = o + 128 + h * 32 + half * 16
-            e = b * QK_K + j * 16
-            for i in range(16):
-                q = ((row[ql_at + i] >> ql_shift) & 15) | (((row[qh_at + i] >> (2 * k)) & 3) << 4)
-                out[e + i] = dl * np.float32(np.int32(q) - 32)
+        for h in range(2):
+            for half in range(2):
+                # bytes i = 16 half .. 16 half + 15 feed sub-blocks 8 h + 2 k + half (k = 0..3);
+                # constant shifts, four weights per step (per-k shift amounts do not vectorize)
+                s = o + 192 + 8 * h + half
+                d0 = d * np.float32(np.int8(row[s]))
+                d1 = d * np.float32(np.int8(row[s + 2]))
+                d2 = d * np.float32(np.int8(row[s + 4]))
+                d3 = d * np.float32(np.int8(row[s + 6]))
+                ql_at = o + 64 * h + 16 * half
+                qh_at = o + 128 + 32 * h + 16 * half
+                e = b * QK_K + 128 * h + 16 * half
+                for i in range(n16):
+                    lo = np.int32(row[ql_at + i])
+                    hi = np.int32(row[ql_at + 32 + i])
+                    qh = np.int32(row[qh_at + i])
+                    out[e + i] = d0 * np.float32(((lo & 15) | ((qh & 3) << 4)) - 32)
+                    out[e + 32 + i] = d1 * np.float32(((hi & 15) | ((qh & 12) << 2)) - 32)
+                    out[e + 64 + i] = d2 * np.float32(((lo >> 4) | (qh & 48)) - 32)
+                    out[e + 96 + i] = d3 * np.float32(((hi >> 4) | ((qh & 192) >> 2)) - 32)
 
 
 @njit(cache=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .float import TILE_ROWS, check_shapes, load_f16, matmul_rows
+from .float import TILE_ROWS, check_shapes, hide_constant, load_f16, matmul_rows
 
 
 @njit(cache=True)
@@ -48,10 +48,11 @@ def _high_bit(qh, i):
 @njit(cache=True)
 def dequantize_row_q4_0(row, out):
     """Q4_0 row uint8[n_cols // 32 * 18] -> out float32[n_cols]."""
+    n16 = hide_constant(16)  # keeps the loop below vectorizable
     for b in range(out.shape[0] // 32):
         o, e = b * 18, b * 32
         d = load_f16(row, o)
-        for i in range(16):
+        for i in range(n16):
             q = row[o + 2 + i]
             out[e + i] = d * np.float32(np.int32(q & 15) - 8)
             out[e + i + 16] = d * np.float32(np.int32(q >> 4) - 8)
@@ -105,11 +106,12 @@ def matmul_q4_0(w, x, out):
 @njit(cache=True)
 def dequantize_row_q4_1(row, out):
     """Q4_1 row uint8[n_cols // 32 * 20] -> out float32[n_cols]."""
+    n16 = hide_constant(16)  # keeps the loop below vectorizable
     for b in range(out.shape[0] // 32):
         o, e = b * 20, b * 32
         d = load_f16(row, o)
         m = load_f16(row, o + 2)
-        for i in range(16):
+        for i in range(n16):
             q = row[o + 4 + i]
             out[e + i] = d * np.float32(q & 15) + m
             out[e + i + 16] = d * np.float32(q >> 4) + m
@@ -164,11 +166,12 @@ def matmul_q4_1(w, x, out):
 @njit(cache=True)
 def dequantize_row_q5_0(row, out):
     """Q5_0 row uint8[n_cols // 32 * 22] -> out float32[n_cols]."""
+    n16 = hide_constant(16)  # keeps the loop below vectorizable
     for b in range(out.shape[0] // 32):
         o, e = b * 22, b * 32
         d = load_f16(row, o)
         qh = _load_u32(row, o + 2)
-        for i in range(16):
+        for i in range(n16):
             q = row[o + 6 + i]
             out[e + i] = d * np.float32((np.int32(q & 15) | _high_bit(qh, i)) - 16)
             out[e + i + 16] = d * np.float32((np.int32(q >> 4) | _high_bit(qh, i + 16)) - 16)
@@ -225,12 +228,13 @@ def matmul_q5_0(w, x, out):
 @njit(cache=True)
 def dequantize_row_q5_1(row, out):
     """Q5_1 row uint8[n_cols // 32 * 24] -> out float32[n_cols]."""
+    n16 = hide_constant(16)  # keeps the loop below vectorizable
     for b in range(out.shape[0] // 32):
         o, e = b * 24, b * 32
         d = load_f16(row, o)
         m = load_f16(row, o + 2)
         qh = _load_u32(row, o + 4)
-        for i in range(16):
+        for i in range(n16):
             q = row[o + 8 + i]
             out[e + i] = d * np.float32(np.int32(q & 15) | _high_bit(qh, i)) + m
             out[e + i + 16] = d * np.float32(np.int32(q >> 4) | _high_bit(qh, i + 16)) + m
@@ -288,10 +292,11 @@ def matmul_q5_1(w, x, out):
 @njit(cache=True)
 def dequantize_row_q8_0(row, out):
     """Q8_0 row uint8[n_cols // 32 * 34] -> out float32[n_cols]."""
+    n32 = hide_constant(32)  # keeps the loop below vectorizable
     for b in range(out.shape[0] // 32):
         o, e = b * 34, b * 32
         d = load_f16(row, o)
-        for i in range(32):
+        for i in range(n32):
             out[e + i] = np.float32(np.int8(row[o + 2 + i])) * d
 
 
