@@ -401,8 +401,9 @@ async def _collect_or_cancel(
 
 
 def _sse(data: dict[str, Any] | str) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return f"data: {payload}\n\n"
+    if not isinstance(data, str):
+        data = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
 
 
 async def _stream(
@@ -423,8 +424,8 @@ async def _stream(
         if last is not None:
             yield _sse(chunk(None, None, last.finish_reason))
             if include_usage:
-                u = usage(last.prompt_tokens, last.completion_tokens)
-                yield _sse(chunk(None, None, None, usage=u))
+                totals = usage(last.prompt_tokens, last.completion_tokens)
+                yield _sse(chunk(None, None, None, totals=totals))
         yield _sse("[DONE]")
     except Exception as e:  # headers are sent: report in-band, as OpenAI and vLLM do
         error = e if isinstance(e, APIError) else _internal_error(e)
@@ -472,18 +473,18 @@ async def chat_completions(request: Request, req: ChatCompletionRequest) -> Resp
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(text, logprobs, finish, usage=None):
+        def chunk(text, logprobs, finish, totals=None):
             choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}
-            if text is None and logprobs is None and finish is None and usage is None:
+            if text is None and logprobs is None and finish is None and totals is None:
                 choice["delta"] = {"role": "assistant", "content": ""}  # the opening chunk
             elif text is not None or logprobs is not None:
                 choice["delta"] = {"content": text or ""}
                 if logprobs is not None:
                     choice["logprobs"] = {"content": [logprobs]}
             body = {**base, "object": "chat.completion.chunk"}
-            body["choices"] = [] if usage is not None else [choice]
+            body["choices"] = [] if totals is not None else [choice]
             if include_usage:
-                body["usage"] = usage
+                body["usage"] = totals
             return body
 
         return _event_stream(_stream(gen, chunk, include_usage))
@@ -538,18 +539,18 @@ async def completions(request: Request, req: CompletionRequest) -> Response:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         offset = 0
 
-        def chunk(text, logprobs, finish, usage=None):
+        def chunk(text, logprobs, finish, totals=None):
             nonlocal offset
-            if text is None and logprobs is None and finish is None and usage is None:
+            if text is None and logprobs is None and finish is None and totals is None:
                 return None  # completions streams have no opening chunk
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
             if logprobs is not None:
                 choice["logprobs"] = legacy_logprobs([logprobs], offset)
                 offset += len(logprobs["token"])
             body = {**base, "object": "text_completion"}
-            body["choices"] = [] if usage is not None else [choice]
+            body["choices"] = [] if totals is not None else [choice]
             if include_usage:
-                body["usage"] = usage
+                body["usage"] = totals
             return body
 
         return _event_stream(_stream(gen, chunk, include_usage))
@@ -793,8 +794,9 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        engine.stop()
-        pool.close()
+        # Unmapping the weights under a step still running would crash: only once it is done.
+        if engine.stop():
+            pool.close()
 
     app = FastAPI(
         title="localllm",

@@ -92,14 +92,17 @@ class Engine:
             active = sum(not s.cancelled for s in self._active)
             return {"active": active, "waiting": len(self._waiting)}
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop the worker; sequences still running get an error."""
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop the worker (sequences still running get an error); False if it is still busy
+        with a step after `timeout` seconds."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
             thread = self._thread
         if thread is not None:
             thread.join(timeout)
+            return not thread.is_alive()
+        return True
 
     # -- the engine thread ------------------------------------------------------------------
 

@@ -258,6 +258,12 @@ def test_completions(client, local_model):
     assert default.usage.completion_tokens == 16
 
 
+def test_max_completion_tokens(client):
+    assert chat(client, max_completion_tokens=3).usage.completion_tokens == 3
+    # The newer name wins over max_tokens, as in OpenAI's API.
+    assert chat(client, max_tokens=6, max_completion_tokens=2).usage.completion_tokens == 2
+
+
 def test_seed_makes_sampling_reproducible(client):
     a = chat(client, temperature=1.0, seed=1234, max_tokens=12).choices[0].message.content
     b = chat(client, temperature=1.0, seed=1234, max_tokens=12).choices[0].message.content
