@@ -1,107 +1,452 @@
 """The `localllm` command line: parse, call the library, render. No model logic here.
 
-stdout carries only generated text; progress, stats and errors go to stderr. Errors are one
-`Error: ...` line and exit 1 (no traceback without --debug); Ctrl-C exits 130.
+stdout carries only generated text (and the output of list/show); progress, stats, warnings and
+errors go to stderr, without colour or spinners when it is not a terminal. Exit codes: 0 ok,
+1 error (one `Error: ...` line, no traceback without --debug), 2 usage, 130 interrupted.
 """
 
 from __future__ import annotations
 
+import errno
+import itertools
+import json
 import os
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from datetime import datetime, timezone
+from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import typer
+from typer.core import TyperGroup
 
 from localllm.errors import LocalLLMError
+from localllm.sampling import DEFAULTS
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+_DEBUG_KEY = "localllm.debug"
+
+
+class _Commands(TyperGroup):
+    """Maps what escapes any command to an exit code, so every command (including ones added
+    later) reports errors the same way."""
+
+    def invoke(self, ctx: typer.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (typer.TyperException, typer.Exit, typer.Abort):
+            raise  # usage errors (exit 2) and deliberate exits
+        except KeyboardInterrupt:
+            _stderr("Interrupted.")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except OSError as e:
+            if e.errno == errno.EPIPE:
+                raise  # a closed pipe (`| head`): Typer exits quietly
+            return _fail(ctx, e)
+        except Exception as e:
+            return _fail(ctx, e)
+
+
+def _fail(ctx: typer.Context, error: Exception) -> None:
+    if ctx.meta.get(_DEBUG_KEY) or os.environ.get("LOCALLLM_DEBUG") == "1":
+        raise error
+    if isinstance(error, LocalLLMError):
+        _stderr(f"Error: {error}")
+    else:  # a bug, not the user's doing: still one line, and how to see more
+        _stderr(f"Error: {type(error).__name__}: {error} (run with --debug for the traceback)")
+    raise typer.Exit(EXIT_ERROR)
+
+
+def _set_debug(ctx: typer.Context, value: bool) -> bool:
+    if value:
+        ctx.meta[_DEBUG_KEY] = True  # meta is shared by the whole context chain
+    return value
+
 
 app = typer.Typer(
     name="localllm",
+    cls=_Commands,
     help="Run GGUF language models locally.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+# Options shared by the commands that load a model (run, and later serve and bench).
+DEBUG = typer.Option(False, "--debug", help="Show tracebacks.", callback=_set_debug)
+CTX_SIZE = typer.Option(
+    None, "-c", "--ctx-size", min=1, help="Context size in tokens [default: min(model's, 4096)]."
+)
+THREADS = typer.Option(None, "-t", "--threads", min=1, help="CPU threads [default: all cores].")
+DEVICE = typer.Option(Device.auto, "--device", help="Where to compute (auto: CUDA if usable).")
+
+
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _err_console():
+    """A Rich console on stderr; it draws colour and spinners only on a terminal."""
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+@contextmanager
+def _spinner(message: str) -> Iterator[None]:
+    """A transient spinner on stderr while something slow happens (nothing when not a tty)."""
+    console = _err_console()
+    if not console.is_terminal:
+        yield
+        return
+    with console.status(message):
+        yield
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding and loading models (also for serve and bench)
+
+
+def resolve_model(name: str) -> tuple[Path, str]:
+    """(GGUF path, display name) for a path, an installed name, or a name to pull first.
+
+    A path is used as it is (not registered in the store); a missing name is pulled, with a
+    progress bar on stderr, as `localllm pull` would.
+    """
+    from localllm.pull import is_path, pull, rich_progress
+    from localllm.store import Store
+
+    if is_path(name):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise LocalLLMError(f"model file {name} not found")
+        return path, path.name
+    store = Store()
+    installed = store.resolve(name)
+    if installed is None:
+        for known in store.list():
+            if known.name in (name, store.canonical_name(name)):
+                raise LocalLLMError(
+                    f"the file of {known.name} ({known.path}) is missing; "
+                    f"pull it again, or forget it with `localllm rm {known.name}`"
+                )
+        _stderr(f"{name} is not installed; pulling it")
+        with rich_progress(f"pulling {store.canonical_name(name)}") as progress:
+            installed = pull(name, store, progress, status=_stderr)
+    return installed.path, installed.name
+
+
+def open_model(
+    name: str, ctx_size: int | None, threads: int | None, device: Device, spinner: bool = True
+) -> tuple[Any, str]:
+    """Resolve (pulling if needed) and load a model: (localllm.models.Model, display name).
+
+    `spinner` shows one on stderr while loading (if stderr is a terminal).
+    """
+    from localllm.models import load_model
+
+    path, label = resolve_model(name)
+    with _spinner(f"loading {label}") if spinner else nullcontext():
+        model = load_model(path, n_ctx=ctx_size, n_threads=threads, device=device.value)
+    return model, label
+
+
+# ---------------------------------------------------------------------------------------------
+# run
+
+
+def _positive(value: float) -> float:
+    if value <= 0:
+        raise typer.BadParameter(f"{value} is not > 0.")
+    return value
 
 
 @app.command()
 def run(
-    model: str = typer.Argument(..., help="A model file (PATH.gguf)."),
-    prompt: str | None = typer.Argument(None, help="Answer this once and exit."),
-    raw: bool = typer.Option(False, "--raw", help="Plain completion: no chat template."),
-    temperature: float = typer.Option(0.8, "--temperature", "--temp", help="0 means greedy."),
-    top_k: int = typer.Option(40, "--top-k", help="0 disables it."),
-    top_p: float = typer.Option(0.95, "--top-p"),
-    min_p: float = typer.Option(0.05, "--min-p"),
-    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty"),
-    seed: int | None = typer.Option(None, "--seed", help="Random seed for sampling."),
-    max_tokens: int = typer.Option(256, "-n", "--max-tokens", help="Tokens to generate at most."),
-    ctx_size: int | None = typer.Option(
-        None, "-c", "--ctx-size", help="Context size (default: min(model's, 4096))."
+    model: str = typer.Argument(
+        ..., metavar="NAME", help="A model name (smollm2:135m, hf.co/USER/REPO[:QUANT]) or a .gguf"
     ),
-    threads: int | None = typer.Option(None, "-t", "--threads", help="CPU threads."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    prompt: str | None = typer.Argument(
+        None, metavar="PROMPT", help="Answer this once and exit (piped stdin goes before it)."
+    ),
+    system: str | None = typer.Option(None, "--system", help="System prompt."),
+    raw: bool = typer.Option(False, "--raw", help="Plain completion: no chat template."),
+    temperature: float = typer.Option(
+        DEFAULTS["temperature"], "--temperature", "--temp", min=0.0, help="0 means greedy."
+    ),
+    top_k: int = typer.Option(DEFAULTS["top_k"], "--top-k", min=0, help="0 disables it."),
+    top_p: float = typer.Option(DEFAULTS["top_p"], "--top-p", min=0.0, max=1.0, callback=_positive),
+    min_p: float = typer.Option(DEFAULTS["min_p"], "--min-p", min=0.0, max=1.0),
+    repeat_penalty: float = typer.Option(
+        DEFAULTS["repeat_penalty"], "--repeat-penalty", callback=_positive, help="1 disables it."
+    ),
+    seed: int | None = typer.Option(None, "--seed", help="Random seed for sampling."),
+    max_tokens: int = typer.Option(
+        -1,
+        "-n",
+        "--max-tokens",
+        min=-1,
+        help="Tokens to generate at most; -1: until the end of text or a full context.",
+    ),
+    ctx_size: int | None = CTX_SIZE,
+    threads: int | None = THREADS,
+    device: Device = DEVICE,
+    verbose: bool = typer.Option(
+        False, "--verbose", help="Print timings and token rates on stderr."
+    ),
+    truncate: bool = typer.Option(
+        False, "--truncate", help="Keep the end of a prompt too long for the context (warns)."
+    ),
+    debug: bool = DEBUG,
 ) -> None:
-    """Generate text from MODEL for PROMPT (or stdin) and print it to stdout."""
-    from localllm.generate import stream_generate
-    from localllm.models import load_model
-    from localllm.sampling import make_logits_processors, make_sampler
+    """Chat with a model, or answer PROMPT (and/or piped stdin) once.
 
-    sampler = make_sampler(temperature, top_k, top_p, min_p, seed)
-    processors = make_logits_processors(repeat_penalty)
-    text = _prompt_text(prompt)
-    path = Path(model)
-    if not path.is_file():
-        raise LocalLLMError(f"model file {model} not found")
-    loaded = load_model(path, n_ctx=ctx_size, n_threads=threads)
+    Interactive when stdin and stdout are terminals and no PROMPT is given; otherwise one-shot,
+    with only the reply on stdout. The model is pulled first if it is not installed.
+    """
+    from localllm.chat import Options
+
+    if raw and system is not None:
+        raise typer.BadParameter("a system prompt needs the chat template", param_hint="--system")
+    options = Options(temperature, top_k, top_p, min_p, repeat_penalty, seed, max_tokens)
+    interactive = prompt is None and _isatty(sys.stdin) and _isatty(sys.stdout)
+    text = None if interactive else _prompt_text(prompt)  # before loading: fail fast
+    loaded, label = open_model(model, ctx_size, threads, device, spinner=_isatty(sys.stdout))
     try:
-        for response in stream_generate(
-            loaded,
-            text,
-            max_tokens=max_tokens,
-            sampler=sampler,
-            logits_processors=processors,
-            parse_special=not raw,
-        ):
-            sys.stdout.write(response.text)
-            sys.stdout.flush()
-        if sys.stdout.isatty():
-            sys.stdout.write("\n")
+        if interactive:
+            _chat(loaded, label, system, raw, options, verbose)
+        else:
+            _one_shot(loaded, text, system, raw, options, verbose, truncate)
     finally:
         loaded.close()
 
 
 def _prompt_text(prompt: str | None) -> str:
     """PROMPT, with piped stdin in front of it (stdin, a blank line, then PROMPT)."""
-    piped = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
-    if piped and prompt:
+    piped = "" if sys.stdin is None or _isatty(sys.stdin) else sys.stdin.read()
+    if piped.strip() and prompt:
         return piped.rstrip("\n") + "\n\n" + prompt
-    if piped or prompt:
-        return piped or prompt
+    if piped.strip() or prompt:
+        return prompt or piped
     raise LocalLLMError(
-        'no prompt given: pass PROMPT, e.g. localllm run MODEL "Hello", or pipe text in'
+        'no prompt given: pass PROMPT, e.g. localllm run smollm2:135m "Hello", or pipe text in'
     )
 
 
-def main() -> None:
-    """Console entry point: map errors and Ctrl-C to one line on stderr and an exit code."""
-    debug = "--debug" in sys.argv or os.environ.get("LOCALLLM_DEBUG") == "1"
+def _one_shot(
+    model, text: str, system: str | None, raw: bool, options, verbose: bool, truncate: bool
+) -> None:
+    from localllm.chat import Conversation
+
+    start = time.perf_counter()
+    conversation = Conversation(model, system=system, raw=raw, options=options)
+    ids, dropped = conversation.ask(text, truncate=truncate)
+    if dropped:
+        _stderr(
+            f"Warning: the prompt did not fit in the context of {model.n_ctx} tokens; its first "
+            f"{dropped} tokens were dropped (--truncate), {len(ids)} tokens remain"
+        )
+    out = sys.stdout
+    tty = _isatty(out)
+    replies = conversation.generate(ids)
+    final = None
     try:
-        app()
-    except LocalLLMError as e:
-        if debug:
-            raise
-        print(f"Error: {e}", file=sys.stderr)
-        sys.exit(EXIT_ERROR)
+        with _spinner("thinking") if tty else nullcontext():
+            first = next(replies)  # the spinner turns while the prompt is prefilled
+        for final in itertools.chain([first], replies):
+            out.write(final.text)
+            out.flush()
+    finally:
+        replies.close()
+        if tty:
+            out.write("\n")
+            out.flush()
+    if final.finish_reason == "length" and conversation.context_is_full():
+        _stderr(f"Warning: the reply stopped because the context ({model.n_ctx} tokens) is full")
+    if verbose:
+        from localllm.chat import format_stats
+
+        _stderr(format_stats(final, model.load_seconds, time.perf_counter() - start))
+
+
+def _chat(model, label: str, system: str | None, raw: bool, options, verbose: bool) -> None:
+    from localllm.chat import ChatSession, Conversation
+
+    conversation = Conversation(model, system=system, raw=raw, options=options)
+    ChatSession(conversation, label, verbose=verbose).run()
+
+
+# ---------------------------------------------------------------------------------------------
+# pull, list, show, rm
+
+
+@app.command()
+def pull(
+    model: str = typer.Argument(
+        ..., metavar="NAME", help="smollm2:135m, hf.co/USER/REPO[:QUANT], or ./file.gguf"
+    ),
+    debug: bool = DEBUG,
+) -> None:
+    """Download a model into the store (resumable; Ctrl-C and pull again to continue).
+
+    A local .gguf file is registered in place, not copied.
+    """
+    from localllm.pull import is_path, rich_progress
+    from localllm.pull import pull as pull_model
+    from localllm.store import Store, format_bytes
+
+    store = Store()
+    what = model if is_path(model) else store.canonical_name(model)
+    try:
+        with rich_progress("hashing" if is_path(model) else f"pulling {what}") as progress:
+            installed = pull_model(model, store, progress, status=_stderr)
     except KeyboardInterrupt:
-        print("Interrupted.", file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
-    except Exception as e:  # anything unforeseen still gets one line, not a traceback
-        if debug:
-            raise
-        print(f"Error: {type(e).__name__}: {e} (run with --debug for details)", file=sys.stderr)
-        sys.exit(EXIT_ERROR)
+        _stderr(f"Interrupted. Run `localllm pull {model}` again to resume.")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    where = "registered in place" if not installed.in_store else f"in {store.root}"
+    quant = f", {installed.quant}" if installed.quant else ""
+    _stderr(f"{installed.name}: {format_bytes(installed.size)}{quant}, {where}")
+
+
+@app.command("list")
+def list_models(
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    debug: bool = DEBUG,
+) -> None:
+    """List the installed models (NAME, SIZE, QUANT, MODIFIED) and say where the store is."""
+    from localllm.store import Store, format_bytes
+
+    store = Store()
+    models = store.list()
+    if as_json:
+        rows = [
+            {
+                "name": m.name,
+                "size": m.size,
+                "quant": m.quant,
+                "modified": m.modified.isoformat(),
+                "path": str(m.path),
+                "sha256": m.sha256,
+                "source": m.source,
+                "in_store": m.in_store,
+                "missing": not m.path.is_file(),
+            }
+            for m in models
+        ]
+        print(json.dumps({"store": str(store.root), "models": rows}, indent=2))
+        return
+    now = datetime.now(timezone.utc)
+    table = [("NAME", "SIZE", "QUANT", "MODIFIED")]
+    for m in models:
+        name = m.name if m.path.is_file() else f"{m.name} (file missing)"
+        table.append((name, format_bytes(m.size), m.quant or "-", _ago(m.modified, now)))
+    widths = [max(len(row[i]) for row in table) for i in range(3)]
+    for row in table:
+        print("    ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "    " + row[3])
+    count = f"{len(models)} model{'s' * (len(models) != 1)}"
+    _stderr(f"{count} in {store.root} (set LOCALLLM_HOME to use another store)")
+
+
+def _ago(when: datetime, now: datetime) -> str:
+    """'3 minutes ago', as Ollama's list shows it."""
+    seconds = max(0, int((now - when).total_seconds()))
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1)):
+        if seconds >= size:
+            n = seconds // size
+            return f"{n} {unit}{'s' * (n != 1)} ago"
+    return "just now"
+
+
+@app.command()
+def show(
+    model: str = typer.Argument(..., metavar="NAME", help="An installed model or a .gguf file."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    debug: bool = DEBUG,
+) -> None:
+    """Show a model's architecture, parameters, context length, quantization, chat template
+    and license."""
+    from localllm.chat import describe_model, format_count, printable
+    from localllm.gguf import read_gguf
+    from localllm.pull import is_path
+    from localllm.store import Store, detect_quant, format_bytes
+
+    if is_path(model):
+        path, label = resolve_model(model)
+    else:
+        installed = Store().resolve(model)
+        if installed is None:
+            raise LocalLLMError(f"model {model} is not installed; run `localllm pull {model}`")
+        path, label = installed.path, installed.name
+    with read_gguf(path) as gguf:
+        info = describe_model(gguf, detect_quant(path))
+    info = {"model": label, **info}
+    if as_json:
+        # ASCII-escaped: no control character from the file reaches the terminal.
+        print(json.dumps(info, indent=2, default=str))
+        return
+    types = ", ".join(f"{name} x{n}" for name, n in info["tensor_types"].items())
+    rows = [
+        ("name", info["name"]),
+        ("architecture", info["architecture"]),
+        ("parameters", format_count(info["parameters"])),
+        ("context length", info["context_length"]),
+        ("embedding length", info["embedding_length"]),
+        ("layers", info["layers"]),
+        ("quantization", info["quantization"]),
+        ("tensor types", types),
+        ("file", f"{info['file']} ({format_bytes(info['file_size'])})"),
+    ]
+    print(f"  {printable(label)}")
+    for key, value in rows:
+        print(f"    {key:<20}{printable(value if value is not None else '-')}")
+    print(f"\n  Chat template ({info['chat_template_source']})")
+    for line in info["chat_template"].splitlines():
+        print(f"    {printable(line)}")
+    print("\n  License")
+    print(f"    {printable(info['license'] or '-')}")
+
+
+@app.command()
+def rm(
+    model: str = typer.Argument(..., metavar="NAME", help="An installed model."),
+    debug: bool = DEBUG,
+) -> None:
+    """Remove a model from the store (a registered local file is only forgotten, not deleted)."""
+    from localllm.store import Store
+
+    removed = Store().remove(model)
+    if removed.in_store:
+        _stderr(f"deleted {removed.name}")
+    else:
+        _stderr(f"forgot {removed.name} (the file {removed.path} was left in place)")
+
+
+# The server (`serve`, localllm.server.serve) and `bench` commands are defined after this line;
+# they load models with open_model() and take the CTX_SIZE, THREADS, DEVICE and DEBUG options.
+
+
+def main() -> None:
+    """Console entry point (`localllm`, `python -m localllm`)."""
+    app()
 
 
 if __name__ == "__main__":
