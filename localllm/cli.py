@@ -69,7 +69,11 @@ def _set_debug(ctx: typer.Context, value: bool) -> bool:
 app = typer.Typer(
     name="localllm",
     cls=_Commands,
-    help="Run GGUF language models locally.",
+    help=(
+        "Run GGUF language models locally.\n\n"
+        "Models are kept in $LOCALLLM_HOME (default ~/.localllm). Every command takes --debug "
+        "to show tracebacks. Exit codes: 0 ok, 1 error, 2 usage, 130 interrupted."
+    ),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -218,7 +222,7 @@ def run(
     ),
     debug: bool = DEBUG,
 ) -> None:
-    """Chat with a model, or answer PROMPT (and/or piped stdin) once.
+    """Chat with a model, or answer a prompt once.
 
     Interactive when stdin and stdout are terminals and no PROMPT is given; otherwise one-shot,
     with only the reply on stdout. The model is pulled first if it is not installed.
@@ -306,9 +310,11 @@ def pull(
     ),
     debug: bool = DEBUG,
 ) -> None:
-    """Download a model into the store (resumable; Ctrl-C and pull again to continue).
+    """Download a model into the store.
 
-    A local .gguf file is registered in place, not copied.
+    Resumable: after Ctrl-C or a dropped connection, pull again to continue. The file's sha256
+    is checked before the model counts as installed. A local .gguf file is registered in place,
+    not copied.
     """
     from localllm.pull import is_path, rich_progress
     from localllm.pull import pull as pull_model
@@ -332,7 +338,10 @@ def list_models(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     debug: bool = DEBUG,
 ) -> None:
-    """List the installed models (NAME, SIZE, QUANT, MODIFIED) and say where the store is."""
+    """List the installed models.
+
+    A table of NAME, SIZE, QUANT and MODIFIED on stdout; where the store is on stderr.
+    """
     from localllm.store import Store, format_bytes
 
     store = Store()
@@ -382,8 +391,11 @@ def show(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     debug: bool = DEBUG,
 ) -> None:
-    """Show a model's architecture, parameters, context length, quantization, chat template
-    and license."""
+    """Show what a model is, read from its GGUF file.
+
+    Architecture, parameters (counted from the tensor shapes), context length, quantization,
+    chat template and license.
+    """
     from localllm.chat import describe_model, format_count, printable
     from localllm.gguf import read_gguf
     from localllm.pull import is_path
@@ -430,7 +442,10 @@ def rm(
     model: str = typer.Argument(..., metavar="NAME", help="An installed model."),
     debug: bool = DEBUG,
 ) -> None:
-    """Remove a model from the store (a registered local file is only forgotten, not deleted)."""
+    """Remove a model from the store.
+
+    Its file is deleted unless another name uses it; a registered local file is only forgotten.
+    """
     from localllm.store import Store
 
     removed = Store().remove(model)
