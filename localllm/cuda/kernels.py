@@ -1,0 +1,559 @@
+"""The transformer's kernels for numba-cuda: quantized matvec/matmul, RMSNorm, RoPE, attention,
+activations. The same code runs on a GPU and on numba's CUDA simulator (the tests).
+
+Weights stay in their GGUF blocks on the device: uint8[n_rows, row_bytes], bytes as in the file.
+Every weight kernel cuts a row into 32-weight chunks and asks `dequantize_chunk` for one chunk at
+a time; it dispatches on the GGML type id (the same for every thread of a launch, so the branch
+never diverges) to a small dequantizer per type. One compiled kernel per op then serves all types,
+which keeps the first-run NVVM compile to a handful of kernels.
+
+The dequantizers follow the float32 order of operations of gguf-py (see localllm/quants), so a
+dequantized weight is bit-exact with it; dot products are summed in a different order than on
+the CPU, so results agree to float32 rounding, not bit for bit.
+
+Halves (block scales, F16/BF16 weights) and F32 weights are decoded from their bytes with integer
+ops and `math.ldexp` (exact), so nothing depends on float16 loads or bit casts and one integer code
+path runs on the GPU and in the simulator. Reductions go through shared memory because the
+simulator has no warp shuffles.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, types
+
+# GGML type ids (gguf.constants.GGMLQuantizationType)
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 10, 11, 12, 13, 14, 30
+SUPPORTED_TYPES = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+
+CHUNK = 32  # weights per chunk: one legacy block, one K-quant sub-block (or two of 16)
+TOKEN_TILE = 8  # tokens that share one dequantized chunk in matmul
+# Most threads per block in the kernels that reduce in shared memory (matvec, matmul, rmsnorm,
+# attention). The launch picks the block shape (threads per row, a power of two) and passes the
+# shared memory as dynamic shared memory; neither is baked into the kernels, so the simulator can
+# run the same code with a few threads per row. (Dynamic shared memory also sidesteps a race in
+# the simulator's allocation of static shared arrays.)
+MAX_BLOCK = 128
+MAX_LANES = 32  # threads per weight row in matvec/matmul: at most a warp
+GELU_C = np.float32(math.sqrt(2.0 / math.pi))
+
+
+# ---- decoding bytes ----
+
+
+@cuda.jit(device=True, cache=True)
+def _float_from_bits(bits, exp_bits, man_bits):
+    """An IEEE-style float (F16: 5/10, BF16: 8/7, F32: 8/23 bits) given as an int64 of its bits."""
+    exp_max = (1 << exp_bits) - 1
+    bias = (1 << (exp_bits - 1)) - 1
+    exponent = (bits >> man_bits) & exp_max
+    mantissa = bits & ((1 << man_bits) - 1)
+    if exponent == exp_max:
+        value = np.float32(math.inf) if mantissa == 0 else np.float32(math.nan)
+    elif exponent == 0:  # zero or subnormal
+        value = np.float32(math.ldexp(np.float32(mantissa), int(1 - bias - man_bits)))
+    else:
+        full = mantissa | (1 << man_bits)  # at most 24 bits: exact in float32
+        value = np.float32(math.ldexp(np.float32(full), int(exponent - bias - man_bits)))
+    return -value if (bits >> (exp_bits + man_bits)) & 1 else value
+
+
+@cuda.jit(device=True, cache=True)
+def _u16(w, r, o):
+    """Little-endian 16-bit integer at byte o of row r, as int64."""
+    return np.int64(w[r, o]) | (np.int64(w[r, o + 1]) << 8)
+
+
+@cuda.jit(device=True, cache=True)
+def _u32(w, r, o):
+    """Little-endian 32-bit integer at byte o of row r, as int64."""
+    return _u16(w, r, o) | (_u16(w, r, o + 2) << 16)
+
+
+@cuda.jit(device=True, cache=True)
+def _f16(w, r, o):
+    """The IEEE half at byte o of row r, as float32 (exact)."""
+    return _float_from_bits(_u16(w, r, o), 5, 10)
+
+
+# ---- one dequantizer per type: buf[0:32] = weights 32 c .. 32 c + 31 of row r ----
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_float(w, r, c, n_cols, qtype, buf):
+    """F32 / F16 / BF16, zeros past n_cols (float rows need not be whole chunks)."""
+    for i in range(CHUNK):
+        k = c * CHUNK + i
+        if k >= n_cols:
+            buf[i] = np.float32(0.0)
+        elif qtype == F32:
+            buf[i] = _float_from_bits(_u32(w, r, 4 * k), 8, 23)
+        elif qtype == F16:
+            buf[i] = _float_from_bits(_u16(w, r, 2 * k), 5, 10)
+        else:
+            buf[i] = _float_from_bits(_u16(w, r, 2 * k), 8, 7)
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_q4_0(w, r, c, buf):
+    """18 B: d f16 | qs[16]; w = d * (q - 8), low nibbles first."""
+    o = c * 18
+    d = _f16(w, r, o)
+    for i in range(16):
+        q = np.int32(w[r, o + 2 + i])
+        buf[i] = d * np.float32((q & 15) - 8)
+        buf[i + 16] = d * np.float32((q >> 4) - 8)
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_q4_1(w, r, c, buf):
+    """20 B: d f16 | m f16 | qs[16]; w = d * q + m."""
+    o = c * 20
+    d = _f16(w, r, o)
+    m = _f16(w, r, o + 2)
+    for i in range(16):
+        q = np.int32(w[r, o + 4 + i])
+        buf[i] = d * np.float32(q & 15) + m
+        buf[i + 16] = d * np.float32(q >> 4) + m
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_q5_0(w, r, c, buf):
+    """22 B: d f16 | qh u32 | qs[16]; w = d * (q - 16), bit 4 of weight i is bit i of qh."""
+    o = c * 22
+    d = _f16(w, r, o)
+    qh = _u32(w, r, o + 2)
+    for i in range(16):
+        q = np.int64(w[r, o + 6 + i])
+        lo = (q & 15) | (((qh >> i) & 1) << 4)
+        hi = (q >> 4) | (((qh >> (i + 16)) & 1) << 4)
+        buf[i] = d * np.float32(lo - 16)
+        buf[i + 16] = d * np.float32(hi - 16)
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_q5_1(w, r, c, buf):
+    """24 B: d f16 | m f16 | qh u32 | qs[16]; w = d * q + m."""
+    o = c * 24
+    d = _f16(w, r, o)
+    m = _f16(w, r, o + 2)
+    qh = _u32(w, r, o + 4)
+    for i in range(16):
+        q = np.int64(w[r, o + 8 + i])
+        lo = (q & 15) | (((qh >> i) & 1) << 4)
+        hi = (q >> 4) | (((qh >> (i + 16)) & 1) << 4)
+        buf[i] = d * np.float32(lo) + m
+        buf[i + 16] = d * np.float32(hi) + m
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_q8_0(w, r, c, buf):
+    """34 B: d f16 | qs int8[32]; w = q * d."""
+    o = c * 34
+    d = _f16(w, r, o)
+    for i in range(32):
+        q = np.int32(w[r, o + 2 + i])
+        buf[i] = np.float32(q - 256 if q > 127 else q) * d
+
+
+@cuda.jit(device=True, cache=True)
+def _scale_min_k4(w, r, o, j):
+    """(scale, min) of sub-block j from the 12 packed 6-bit bytes at byte o (Q4_K, Q5_K)."""
+    if j < 4:
+        return np.int32(w[r, o + j]) & 63, np.int32(w[r, o + j + 4]) & 63
+    scale = (np.int32(w[r, o + j + 4]) & 15) | ((np.int32(w[r, o + j - 4]) >> 6) << 4)
+    minimum = (np.int32(w[r, o + j + 4]) >> 4) | ((np.int32(w[r, o + j]) >> 6) << 4)
+    return scale, minimum
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_q2_k(w, r, c, buf):
+    """84 B: scales[16] (low: scale, high: min) | qs[64] 2-bit | d | dmin. Sub-blocks 2p, 2p+1."""
+    o, p = (c >> 3) * 84, c & 7
+    d = _f16(w, r, o + 80)
+    dmin = _f16(w, r, o + 82)
+    q_at = o + 16 + (p >> 2) * 32
+    shift = 2 * (p & 3)
+    for half in range(2):
+        sc = np.int32(w[r, o + 2 * p + half])
+        dl = d * np.float32(sc & 15)
+        ml = dmin * np.float32(sc >> 4)
+        for i in range(16 * half, 16 * half + 16):
+            buf[i] = dl * np.float32((np.int32(w[r, q_at + i]) >> shift) & 3) - ml
+
+
+@cuda.jit(device=True, cache=True)
+def _q3_k_scale(w, r, o, j):
+    """Signed 6-bit scale of sub-block j from the 12 packed bytes at byte o (Q3_K)."""
+    low = np.int32(w[r, o + (j & 7)])
+    low = low & 15 if j < 8 else low >> 4
+    high = (np.int32(w[r, o + 8 + (j & 3)]) >> (2 * (j >> 2))) & 3
+    return (low | (high << 4)) - 32
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_q3_k(w, r, c, buf):
+    """110 B: hmask[32] | qs[64] 2-bit | scales[12] | d. A clear hmask bit means "subtract 4"."""
+    o, p = (c >> 3) * 110, c & 7
+    d = _f16(w, r, o + 108)
+    q_at = o + 32 + (p >> 2) * 32
+    shift = 2 * (p & 3)
+    for half in range(2):
+        dl = d * np.float32(_q3_k_scale(w, r, o + 96, 2 * p + half))
+        for i in range(16 * half, 16 * half + 16):
+            q = ((np.int32(w[r, q_at + i]) >> shift) & 3) - 4
+            q += 4 * ((np.int32(w[r, o + i]) >> p) & 1)
+            buf[i] = dl * np.float32(q)
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_q4_k(w, r, c, buf):
+    """144 B: d | dmin | scales[12] | qs[128] 4-bit. Chunk = sub-block j of super-block c >> 3."""
+    o, j = (c >> 3) * 144, c & 7
+    d = _f16(w, r, o)
+    dmin = _f16(w, r, o + 2)
+    sc, m = _scale_min_k4(w, r, o + 4, j)
+    ds = d * np.float32(sc)
+    dm = dmin * np.float32(m)
+    q_at = o + 16 + (j >> 1) * 32
+    shift = 4 * (j & 1)
+    for i in range(32):
+        buf[i] = ds * np.float32((np.int32(w[r, q_at + i]) >> shift) & 15) - dm
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_q5_k(w, r, c, buf):
+    """176 B: d | dmin | scales[12] | qh[32] | qs[128] 4-bit; bit 4 of weight i: bit j of qh[i]."""
+    o, j = (c >> 3) * 176, c & 7
+    d = _f16(w, r, o)
+    dmin = _f16(w, r, o + 2)
+    sc, m = _scale_min_k4(w, r, o + 4, j)
+    ds = d * np.float32(sc)
+    dm = dmin * np.float32(m)
+    q_at = o + 48 + (j >> 1) * 32
+    shift = 4 * (j & 1)
+    for i in range(32):
+        q = (np.int32(w[r, q_at + i]) >> shift) & 15
+        q |= ((np.int32(w[r, o + 16 + i]) >> j) & 1) << 4
+        buf[i] = ds * np.float32(q) - dm
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_q6_k(w, r, c, buf):
+    """210 B: ql[128] 4-bit | qh[64] 2-bit | scales int8[16] | d. Chunk = sub-blocks 2p, 2p+1."""
+    o, p = (c >> 3) * 210, c & 7
+    d = _f16(w, r, o + 208)
+    h, k = p >> 2, p & 3
+    ql_at = o + h * 64 + (k & 1) * 32
+    ql_shift = 4 * (k >> 1)
+    qh_at = o + 128 + h * 32
+    for half in range(2):
+        sc = np.int32(w[r, o + 192 + 2 * p + half])
+        dl = d * np.float32(sc - 256 if sc > 127 else sc)
+        for i in range(16 * half, 16 * half + 16):
+            q = (np.int32(w[r, ql_at + i]) >> ql_shift) & 15
+            q |= ((np.int32(w[r, qh_at + i]) >> (2 * k)) & 3) << 4
+            buf[i] = dl * np.float32(q - 32)
+
+
+@cuda.jit(device=True, cache=True)
+def dequantize_chunk(w, r, c, n_cols, qtype, buf):
+    """buf[0:32] = dequantized weights 32 c .. 32 c + 31 of row r of the raw weight w."""
+    if qtype == Q4_0:
+        _chunk_q4_0(w, r, c, buf)
+    elif qtype == Q4_1:
+        _chunk_q4_1(w, r, c, buf)
+    elif qtype == Q5_0:
+        _chunk_q5_0(w, r, c, buf)
+    elif qtype == Q5_1:
+        _chunk_q5_1(w, r, c, buf)
+    elif qtype == Q8_0:
+        _chunk_q8_0(w, r, c, buf)
+    elif qtype == Q2_K:
+        _chunk_q2_k(w, r, c, buf)
+    elif qtype == Q3_K:
+        _chunk_q3_k(w, r, c, buf)
+    elif qtype == Q4_K:
+        _chunk_q4_k(w, r, c, buf)
+    elif qtype == Q5_K:
+        _chunk_q5_k(w, r, c, buf)
+    elif qtype == Q6_K:
+        _chunk_q6_k(w, r, c, buf)
+    else:
+        _chunk_float(w, r, c, n_cols, qtype, buf)
+
+
+# ---- reductions ----
+
+
+@cuda.jit(device=True, cache=True)
+def _tree_reduce(partial, n_values, stride, base, lane, n_lanes, take_max):
+    """For v < n_values: partial[v * stride + base] = sum (or max) of the n_lanes values from
+    there on. partial: dynamic shared float32[n_values * stride], where each thread has written
+    its values at v * stride + base + lane; n_lanes is a power of two. Every thread of the block
+    must call this (it syncs).
+    """
+    cuda.syncthreads()
+    step = n_lanes // 2
+    while step > 0:
+        if lane < step:
+            for v in range(n_values):
+                i = v * stride + base + lane
+                a = partial[i]
+                b = partial[i + step]
+                partial[i] = max(a, b) if take_max else a + b
+        cuda.syncthreads()
+        step //= 2
+
+
+# ---- weights ----
+
+
+@cuda.jit(cache=True)
+def matvec(w, qtype, x, out):
+    """out[0, r] = dequant(w)[r] . x[0]: one token. w: uint8[n_rows, row_bytes] raw blocks,
+    x: float32[1, n_cols], out: float32[1, n_rows].
+
+    Threads: block (lanes, rows): threadIdx.y picks a weight row, its lanes take the row's
+    chunks round-robin (lane l: chunks l, l + lanes, ...), so neighbouring lanes read
+    neighbouring blocks; the partial dots are then summed in shared memory.
+    """
+    lane, y = cuda.threadIdx.x, cuda.threadIdx.y
+    lanes = cuda.blockDim.x
+    r = cuda.blockIdx.x * cuda.blockDim.y + y
+    n_rows, n_cols = out.shape[1], x.shape[1]
+    partial = cuda.shared.array(0, types.float32)  # float32[lanes * rows per block]
+    buf = cuda.local.array(CHUNK, np.float32)
+    acc = np.float32(0.0)
+    if r < n_rows:  # no early return: every thread must reach the syncthreads below
+        for c in range(lane, (n_cols + CHUNK - 1) // CHUNK, lanes):
+            dequantize_chunk(w, r, c, n_cols, qtype, buf)
+            e = c * CHUNK
+            for i in range(min(CHUNK, n_cols - e)):
+                acc += buf[i] * x[0, e + i]
+    partial[y * lanes + lane] = acc
+    _tree_reduce(partial, 1, 0, y * lanes, lane, lanes, False)
+    if r < n_rows and lane == 0:
+        out[0, r] = partial[y * lanes]
+
+
+@cuda.jit(cache=True)
+def matmul(w, qtype, x, out):
+    """out[t, r] = dequant(w)[r] . x[t]. x: float32[n_tokens, n_cols], out: [n_tokens, n_rows].
+
+    Threads: as matvec for the rows (grid x), and grid y over tiles of TOKEN_TILE tokens: each
+    lane dequantizes a chunk once and uses it for every token of its tile, so prefill reads each
+    weight once per tile instead of once per token.
+    """
+    lane, y = cuda.threadIdx.x, cuda.threadIdx.y
+    lanes = cuda.blockDim.x
+    r = cuda.blockIdx.x * cuda.blockDim.y + y
+    t0 = cuda.blockIdx.y * TOKEN_TILE
+    n_tokens, n_rows = out.shape
+    n_cols = x.shape[1]
+    n_tile = min(TOKEN_TILE, n_tokens - t0)
+    stride = lanes * cuda.blockDim.y  # threads per block
+    partial = cuda.shared.array(0, types.float32)  # float32[TOKEN_TILE * stride]
+    buf = cuda.local.array(CHUNK, np.float32)
+    acc = cuda.local.array(TOKEN_TILE, np.float32)
+    for tt in range(TOKEN_TILE):
+        acc[tt] = 0.0
+    if r < n_rows:
+        for c in range(lane, (n_cols + CHUNK - 1) // CHUNK, lanes):
+            dequantize_chunk(w, r, c, n_cols, qtype, buf)
+            e = c * CHUNK
+            n = min(CHUNK, n_cols - e)
+            for tt in range(n_tile):
+                s = np.float32(0.0)
+                for i in range(n):
+                    s += buf[i] * x[t0 + tt, e + i]
+                acc[tt] += s
+    for tt in range(n_tile):
+        partial[tt * stride + y * lanes + lane] = acc[tt]
+    _tree_reduce(partial, n_tile, stride, y * lanes, lane, lanes, False)
+    if r < n_rows and lane == 0:
+        for tt in range(n_tile):
+            out[t0 + tt, r] = partial[tt * stride + y * lanes]
+
+
+@cuda.jit(cache=True)
+def embed(w, qtype, token_ids, out):
+    """out[t] = dequant(w)[token_ids[t]]; token_ids: int64[n_tokens], out: float32[n_tokens, dim].
+
+    Threads: one per (token, 32-weight chunk).
+    """
+    n_tokens, n_cols = out.shape
+    n_chunks = (n_cols + CHUNK - 1) // CHUNK
+    job = cuda.grid(1)
+    if job >= n_tokens * n_chunks:
+        return
+    t, c = job // n_chunks, job % n_chunks
+    buf = cuda.local.array(CHUNK, np.float32)
+    dequantize_chunk(w, token_ids[t], c, n_cols, qtype, buf)
+    for i in range(min(CHUNK, n_cols - c * CHUNK)):
+        out[t, c * CHUNK + i] = buf[i]
+
+
+# ---- normalization, RoPE, attention ----
+
+
+@cuda.jit(cache=True)
+def rmsnorm(x, weight, eps, out):
+    """out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * weight. x, out: float32[n_rows, dim] (out may
+    be x); weight: float32[dim]. Per-head QK-norm is this on [n_tokens * n_heads, head_dim].
+
+    Threads: one block per row; each thread sums the squares of a strided slice of the row.
+    """
+    row, tid, n_threads = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    dim = x.shape[1]
+    partial = cuda.shared.array(0, types.float32)  # float32[n_threads]
+    ss = np.float32(0.0)
+    for j in range(tid, dim, n_threads):
+        ss += x[row, j] * x[row, j]
+    partial[tid] = ss
+    _tree_reduce(partial, 1, 0, 0, tid, n_threads, False)
+    scale = np.float32(1.0) / np.float32(math.sqrt(partial[0] / np.float32(dim) + eps))
+    for j in range(tid, dim, n_threads):
+        out[row, j] = x[row, j] * scale * weight[j]
+
+
+@cuda.jit(cache=True)
+def rope(x, cos, sin, neox):
+    """Rotate every head of x: float32[n_tokens, n_heads, head_dim] in place; cos, sin:
+    float32[n_tokens, n_pairs]. neox rotates (i, i + n_pairs), else adjacent pairs (2i, 2i + 1).
+
+    Threads: one per (token, head, pair).
+    """
+    n_tokens, n_heads, _ = x.shape
+    n_pairs = cos.shape[1]
+    job = cuda.grid(1)
+    if job >= n_tokens * n_heads * n_pairs:
+        return
+    t = job // (n_heads * n_pairs)
+    h = (job // n_pairs) % n_heads
+    i = job % n_pairs
+    if neox:
+        a, b = i, i + n_pairs
+    else:
+        a, b = 2 * i, 2 * i + 1
+    x0 = x[t, h, a]
+    x1 = x[t, h, b]
+    x[t, h, a] = x0 * cos[t, i] - x1 * sin[t, i]
+    x[t, h, b] = x0 * sin[t, i] + x1 * cos[t, i]
+
+
+@cuda.jit(cache=True)
+def attention(q, k_cache, v_cache, start_pos, window, scale, scores, out):
+    """Causal attention with grouped K/V heads and an optional sliding window, softmax inside.
+
+    q, out: float32[n_tokens, n_heads, head_dim] for positions start_pos + t;
+    k_cache, v_cache: float32[n_ctx, n_kv_heads, head_dim], filled up to start_pos + n_tokens;
+    window > 0: key j is seen from position i only when i - j < window.
+    scores: float32[>= n_tokens * n_heads, >= start_pos + n_tokens] scratch, one row per job.
+
+    Threads: one block per (head, token) (grid x, y). Its threads split the keys for the scores
+    and the softmax sums, then split the head dimensions for the weighted sum of V.
+    """
+    h, t = cuda.blockIdx.x, cuda.blockIdx.y
+    tid, n_threads = cuda.threadIdx.x, cuda.blockDim.x
+    n_heads, head_dim = q.shape[1], q.shape[2]
+    kv = h // (n_heads // k_cache.shape[1])
+    row = t * n_heads + h
+    pos = start_pos + t
+    first = 0
+    if window > 0 and pos - window + 1 > 0:
+        first = pos - window + 1
+    partial = cuda.shared.array(0, types.float32)  # float32[n_threads]
+
+    best = -np.float32(math.inf)
+    for j in range(first + tid, pos + 1, n_threads):
+        s = np.float32(0.0)
+        for d in range(head_dim):
+            s += q[t, h, d] * k_cache[j, kv, d]
+        s *= scale
+        scores[row, j] = s
+        best = max(best, s)
+    partial[tid] = best
+    _tree_reduce(partial, 1, 0, 0, tid, n_threads, True)
+    best = partial[0]
+    cuda.syncthreads()  # all have read the max before partial is reused
+
+    total = np.float32(0.0)
+    for j in range(first + tid, pos + 1, n_threads):
+        e = np.float32(math.exp(scores[row, j] - best))
+        scores[row, j] = e
+        total += e
+    partial[tid] = total
+    _tree_reduce(partial, 1, 0, 0, tid, n_threads, False)  # its syncs also publish the scores
+    inv = np.float32(1.0) / partial[0]
+
+    for d in range(tid, head_dim, n_threads):
+        acc = np.float32(0.0)
+        for j in range(first, pos + 1):
+            acc += scores[row, j] * v_cache[j, kv, d]
+        out[t, h, d] = acc * inv
+
+
+# ---- element-wise: one thread per element of float32[n_tokens, n] ----
+
+
+@cuda.jit(cache=True)
+def add(x, y):
+    """x += y, both float32[n_tokens, n]."""
+    i = cuda.grid(1)
+    n = x.shape[1]
+    if i < x.shape[0] * n:
+        x[i // n, i % n] += y[i // n, i % n]
+
+
+@cuda.jit(cache=True)
+def add_bias(x, bias):
+    """x[t] += bias for every token t. bias: float32[n]."""
+    i = cuda.grid(1)
+    n = x.shape[1]
+    if i < x.shape[0] * n:
+        x[i // n, i % n] += bias[i % n]
+
+
+@cuda.jit(cache=True)
+def scale(x, factor):
+    """x *= factor."""
+    i = cuda.grid(1)
+    n = x.shape[1]
+    if i < x.shape[0] * n:
+        x[i // n, i % n] *= factor
+
+
+@cuda.jit(cache=True)
+def silu_mul(gate, up):
+    """gate = silu(gate) * up (SwiGLU)."""
+    i = cuda.grid(1)
+    n = gate.shape[1]
+    if i < gate.shape[0] * n:
+        t, j = i // n, i % n
+        g = gate[t, j]
+        gate[t, j] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * up[t, j]
+
+
+@cuda.jit(cache=True)
+def gelu_mul(gate, up):
+    """gate = gelu_tanh(gate) * up (GeGLU)."""
+    i = cuda.grid(1)
+    n = gate.shape[1]
+    if i < gate.shape[0] * n:
+        t, j = i // n, i % n
+        g = gate[t, j]
+        inner = GELU_C * g * (np.float32(1.0) + np.float32(0.044715) * g * g)
+        gelu = np.float32(0.5) * g * (np.float32(1.0) + np.float32(math.tanh(inner)))
+        gate[t, j] = gelu * up[t, j]
+
+
+@cuda.jit(cache=True)
+def fill_zero(x):
+    """x[:] = 0 for a flat float32[n]."""
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        x[i] = 0.0
