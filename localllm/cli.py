@@ -459,6 +459,61 @@ def rm(
 # they load models with open_model() and take the CTX_SIZE, THREADS, DEVICE and DEBUG options.
 
 
+SERVE_MODELS = typer.Option(
+    None,
+    "--model",
+    "-m",
+    metavar="NAME",
+    help="Model to serve: an installed name or a .gguf path; repeat for more "
+    "[default: every installed model]. Never pulled: run `localllm pull` first.",
+)
+
+
+@app.command()
+def serve(
+    model: list[str] | None = SERVE_MODELS,
+    host: str = typer.Option(
+        "127.0.0.1", "--host", help="Address to listen on; 0.0.0.0 exposes it to the network."
+    ),
+    # 8357 = localllm.server.DEFAULT_PORT, written out so that other commands skip FastAPI.
+    port: int = typer.Option(8357, "--port", "-p", min=1, max=65535, help="Port."),
+    api_key: str | None = typer.Option(
+        None,
+        "--api-key",
+        envvar="LOCALLLM_API_KEY",
+        help="Require 'Authorization: Bearer KEY' (clients pass it as their OpenAI API key).",
+    ),
+    ctx_size: int | None = CTX_SIZE,
+    threads: int | None = THREADS,
+    device: Device = DEVICE,
+    parallel: int = typer.Option(
+        4,
+        "--parallel",
+        min=1,
+        help="Requests decoded at once, token by token (each its own KV cache).",
+    ),
+    max_queue: int = typer.Option(
+        32, "--max-queue", min=0, help="Requests that may wait beyond those; more get 503."
+    ),
+    debug: bool = DEBUG,
+) -> None:
+    """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models."""
+    from localllm.server import serve as run_server
+
+    run_server(
+        model or [],
+        host=host,
+        port=port,
+        api_key=api_key,
+        n_ctx=ctx_size,
+        n_threads=threads,
+        device=device.value,
+        parallel=parallel,
+        max_queue=max_queue,
+        log_level="debug" if debug else "info",
+    )
+
+
 def main() -> None:
     """Console entry point (`localllm`, `python -m localllm`)."""
     app()
