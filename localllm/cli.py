@@ -514,6 +514,36 @@ def serve(
     )
 
 
+@app.command()
+def bench(
+    model: str = typer.Argument(..., metavar="MODEL", help="A model name or a .gguf path."),
+    prompt_tokens: int = typer.Option(128, "-p", "--prompt-tokens", min=0, help="Prefill length."),
+    gen_tokens: int = typer.Option(64, "-n", "--gen-tokens", min=0, help="Tokens to decode."),
+    repetitions: int = typer.Option(
+        3, "-r", "--repetitions", min=1, help="Runs; the median counts."
+    ),
+    threads: int | None = THREADS,
+    device: Device = DEVICE,
+    as_json: bool = typer.Option(
+        False, "--json", help="Also print one JSON object as the last line of stdout."
+    ),
+    debug: bool = DEBUG,
+) -> None:
+    """Measure load time, prefill and decode tok/s, and peak RSS (like llama-bench)."""
+    from localllm.bench import bench as run_bench
+
+    path, label = resolve_model(model)
+    result = run_bench(path, label, prompt_tokens, gen_tokens, repetitions, threads, device.value)
+    print(f"model        {result.model} ({result.device}, {result.threads} threads)")
+    print(f"load         {result.load_s:.2f} s")
+    print(f"prefill      {result.prefill_tok_s:.1f} tok/s  (pp{prompt_tokens})")
+    print(f"decode       {result.decode_tok_s:.1f} tok/s  (tg{gen_tokens})")
+    print(f"peak RSS     {result.peak_rss_mb:.0f} MiB")
+    if as_json:
+        keys = ("model", "threads", "load_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb")
+        print(json.dumps({key: getattr(result, key) for key in keys}))
+
+
 def main() -> None:
     """Console entry point (`localllm`, `python -m localllm`)."""
     app()

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
-import pytest
+# The CUDA kernels run on numba's simulator in the normal test run; this must be set before numba
+# is imported. setdefault: NUMBA_ENABLE_CUDASIM=0 runs tests/test_cuda.py on a real GPU.
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_DIR = REPO.parent / "shared" / "reference"
