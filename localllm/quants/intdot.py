@@ -123,9 +123,14 @@ def _dot_q4_1(wr, xq, xd, xs, lanes):
 
 
 @njit(cache=True)
-def _q5_high(wr, o, i):
-    """Bit i of the 32-bit little-endian high-bit word at wr[o:o+4], as 0 or 16."""
-    return i32((wr[o + (i >> 3)] >> (i & 7)) & 1) << 4
+def _load_u32(wr, o):
+    """The little-endian 32-bit word at wr[o:o+4] (Q5's fifth bits), as int64."""
+    return (
+        np.int64(wr[o])
+        | (np.int64(wr[o + 1]) << 8)
+        | (np.int64(wr[o + 2]) << 16)
+        | (np.int64(wr[o + 3]) << 24)
+    )
 
 
 @njit(cache=True)
@@ -135,10 +140,13 @@ def _dot_q5_0(wr, xq, xd, lanes):
     for b in range(wr.shape[0] // 22):
         o, e = b * 22, b * 32
         s = load_f16(wr, o) * xd[b]
+        # One word per block, shifted per lane (a vector shift), rather than a byte per weight.
+        qh = i32(_load_u32(wr, o + 2) & 0xFFFF)
+        qh_hi = i32(_load_u32(wr, o + 2) >> 16)
         for i in range(n16):
             q = i32(wr[o + 6 + i])
-            lo = i32((q & 15) | _q5_high(wr, o + 2, i)) - 16
-            hi = i32((q >> 4) | _q5_high(wr, o + 2, i + 16)) - 16
+            lo = i32((q & 15) | (((qh >> i) & 1) << 4)) - 16
+            hi = i32((q >> 4) | (((qh_hi >> i) & 1) << 4)) - 16
             lanes[i] += s * f32(i32(lo * i32(xq[e + i]) + hi * i32(xq[e + 16 + i])))
     return lanes.sum()
 
@@ -152,10 +160,12 @@ def _dot_q5_1(wr, xq, xd, xs, lanes):
         o, e = b * 24, b * 32
         s = load_f16(wr, o) * xd[b]
         mins += load_f16(wr, o + 2) * xs[b]
+        qh = i32(_load_u32(wr, o + 4) & 0xFFFF)
+        qh_hi = i32(_load_u32(wr, o + 4) >> 16)
         for i in range(n16):
             q = i32(wr[o + 8 + i])
-            lo = i32((q & 15) | _q5_high(wr, o + 4, i))
-            hi = i32((q >> 4) | _q5_high(wr, o + 4, i + 16))
+            lo = i32((q & 15) | (((qh >> i) & 1) << 4))
+            hi = i32((q >> 4) | (((qh_hi >> i) & 1) << 4))
             lanes[i] += s * f32(i32(lo * i32(xq[e + i]) + hi * i32(xq[e + 16 + i])))
     return lanes.sum() + mins
 
