@@ -17,7 +17,6 @@ from localllm import ops, quants
 from localllm.errors import LocalLLMError
 from localllm.gguf import TensorInfo
 from localllm.quants.activations import VEC_DOT_TYPES, round_activations
-from localllm.quants.intdot import INT_KERNELS, QuantizedActivations
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,6 @@ class CPUBackend:
         numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
         self.n_threads = numba.get_num_threads()
         self._rounded: dict[tuple[int, int], np.ndarray] = {}  # activation buffers by shape
-        self._quantized: dict[tuple[int, int], QuantizedActivations] = {}
 
     # -- weights -------------------------------------------------------------------------
 
@@ -97,14 +95,6 @@ class CPUBackend:
         x is first rounded as llama.cpp quantizes activations for this weight type, so that the
         products equal ggml's integer dot products (see quants/activations.py).
         """
-        if self.llama_cpp_rounding and w.qtype.ggml_type in INT_KERNELS:
-            kernel, kind = INT_KERNELS[w.qtype.ggml_type]
-            acts = self._quantized.get(x.shape)
-            if acts is None:
-                acts = self._quantized[x.shape] = QuantizedActivations(*x.shape)
-            xq, xd, xs = acts.q8_0(x) if kind == "q8_0" else acts.q8_k(x)
-            kernel(w.raw, xq, xd, xs, out)
-            return out
         kind = VEC_DOT_TYPES[w.qtype.ggml_type] if self.llama_cpp_rounding else "none"
         buffer = self._rounded.get(x.shape)
         if buffer is None:
