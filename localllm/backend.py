@@ -53,7 +53,7 @@ class CPUBackend:
             raise LocalLLMError(f"--threads must be at least 1, got {n}")
         numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
         self.n_threads = numba.get_num_threads()
-        self._rounded: dict[tuple[int, int], np.ndarray] = {}  # activation buffers by shape
+        self._rounded: dict[tuple, np.ndarray] = {}  # rounded activations by (kind, shape)
 
     # -- weights -------------------------------------------------------------------------
 
@@ -95,16 +95,25 @@ class CPUBackend:
         x is first rounded as llama.cpp quantizes activations for this weight type, so that the
         products equal ggml's integer dot products (see quants/activations.py).
         """
-        kind = VEC_DOT_TYPES[w.qtype.ggml_type] if self.llama_cpp_rounding else "none"
-        buffer = self._rounded.get(x.shape)
-        if buffer is None:
-            buffer = self._rounded[x.shape] = np.empty(x.shape, np.float32)
-        x = round_activations(x, kind, buffer)
-        if x.shape[0] == 1:
-            w.qtype.matvec(w.raw, x[0], out[0])
-        else:
-            w.qtype.matmul(w.raw, x, out)
-        return out
+        return self.linear_many(x, (w,), (out,))[0]
+
+    def linear_many(self, x: np.ndarray, weights, outs) -> tuple:
+        """outs[i] = x @ weights[i].T for weights sharing one input (Q/K/V, gate/up): x is
+        rounded once per activation type rather than once per matrix."""
+        rounded = {}
+        for w, out in zip(weights, outs, strict=True):
+            kind = VEC_DOT_TYPES[w.qtype.ggml_type] if self.llama_cpp_rounding else "none"
+            xr = rounded.get(kind)
+            if xr is None:
+                buffer = self._rounded.get((kind, x.shape))
+                if buffer is None:
+                    buffer = self._rounded[(kind, x.shape)] = np.empty(x.shape, np.float32)
+                xr = rounded[kind] = round_activations(x, kind, buffer)
+            if x.shape[0] == 1:
+                w.qtype.matvec(w.raw, xr[0], out[0])
+            else:
+                w.qtype.matmul(w.raw, xr, out)
+        return tuple(outs)
 
     def embed(self, w: QuantWeight, token_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out = rows token_ids of the embedding matrix: float32[n_tokens, n_cols].

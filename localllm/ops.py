@@ -1,8 +1,10 @@
 """Transformer ops as Numba kernels: RMSNorm, RoPE, attention, activations.
 
 Each op works in place or into a buffer the caller allocated once at load (see models/), so a
-decode step allocates nothing. Float order follows ggml's CPU code where that is cheap, so that
-logits stay close to llama.cpp's.
+decode step allocates nothing. Only attention runs threads: the element-wise ops are a few
+microseconds of work per token, less than waking the thread pool costs (much less on a busy
+machine, where a parallel region waits for a descheduled thread). Float order follows ggml's
+CPU code where that is cheap, so that logits stay close to llama.cpp's.
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ import numpy as np
 from numba import njit, prange
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def rmsnorm(x, weight, eps, out):
     """out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * weight, for every row i.
 
     x, out: float32[n_rows, dim]; weight: float32[dim]. out may be x.
     """
     n_rows, dim = x.shape
-    for i in prange(n_rows):
+    for i in range(n_rows):
         # ggml sums squares in float (ggml_float = double on CPU) then scales in float32.
         ss = 0.0
         for j in range(dim):
@@ -30,11 +32,11 @@ def rmsnorm(x, weight, eps, out):
             out[i, j] = x[i, j] * scale * weight[j]
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def rmsnorm_heads(x, weight, eps):
     """RMSNorm of every head vector in place (QK-norm). x: float32[n_tokens, n_heads, head_dim]."""
     n_tokens, n_heads, head_dim = x.shape
-    for t in prange(n_tokens):
+    for t in range(n_tokens):
         for h in range(n_heads):
             ss = 0.0
             for j in range(head_dim):
@@ -65,7 +67,7 @@ def rope_cos_sin(positions, rope_dim, theta_base, freq_scale):
     return cos, sin
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def rope(x, cos, sin, neox):
     """Rotate every head of x in place. x: float32[n_tokens, n_heads, head_dim].
 
@@ -74,7 +76,7 @@ def rope(x, cos, sin, neox):
     """
     n_tokens, n_heads, _ = x.shape
     n_pairs = cos.shape[1]
-    for t in prange(n_tokens):
+    for t in range(n_tokens):
         for h in range(n_heads):
             for i in range(n_pairs):
                 if neox:
@@ -133,22 +135,22 @@ def attention(q, k_cache, v_cache, start_pos, window, scale, out):
                 out[t, h, d] += p * v_cache[j, kv, d]
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def silu_mul(gate, up):
     """gate = silu(gate) * up, in place. gate, up: float32[n_tokens, ffn_dim]."""
     n_tokens, n = gate.shape
-    for t in prange(n_tokens):
+    for t in range(n_tokens):
         for i in range(n):
             g = gate[t, i]
             gate[t, i] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * up[t, i]
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def gelu_tanh_mul(gate, up):
     """gate = gelu_tanh(gate) * up, in place (Gemma's GeGLU). float32[n_tokens, ffn_dim]."""
     n_tokens, n = gate.shape
     c = np.float32(math.sqrt(2.0 / math.pi))
-    for t in prange(n_tokens):
+    for t in range(n_tokens):
         for i in range(n):
             g = gate[t, i]
             inner = c * g * (np.float32(1.0) + np.float32(0.044715) * g * g)

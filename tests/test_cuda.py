@@ -347,12 +347,14 @@ def tiny_qwen2(path) -> dict:
 
 
 class ExactLinearCPU(CPUBackend):
-    """The CPU backend with `linear` as dequantize-then-float-dot (what the CUDA kernels do),
+    """The CPU backend with its products as dequantize-then-float-dot (what the CUDA kernels do),
     so that the comparison below does not depend on how the CPU kernels round activations."""
 
-    def linear(self, x, w, out):
-        out[:] = x.astype(np.float64) @ dequantize(w.raw, w.qtype.ggml_type).astype(np.float64).T
-        return out
+    def linear_many(self, x, weights, outs):
+        x64 = x.astype(np.float64)
+        for w, out in zip(weights, outs, strict=True):
+            out[:] = x64 @ dequantize(w.raw, w.qtype.ggml_type).astype(np.float64).T
+        return tuple(outs)
 
 
 @needs_cuda

@@ -134,6 +134,10 @@ class CUDABackend:
             kernels.matmul[grid, block, 0, shared](w.raw, w.ggml_type, x, out)
         return out
 
+    def linear_many(self, x, weights, outs) -> tuple:
+        """outs[i] = x @ weights[i].T (the CPU backend shares the rounding of x among them)."""
+        return tuple(self.linear(x, w, out) for w, out in zip(weights, outs, strict=True))
+
     def embed(self, w: CUDAWeight, token_ids: np.ndarray, out):
         """out = rows token_ids of the embedding matrix: float32[n_tokens, n_cols]."""
         ids = cuda.to_device(np.ascontiguousarray(token_ids, dtype=np.int64))

@@ -215,9 +215,7 @@ class Transformer:
         b, c, s = self.backend, self.config, self.scratch
         n = x.shape[0]
         h = b.rmsnorm(x, layer.attn_norm, c.rms_eps, s.h[:n])
-        q = b.linear(h, layer.wq, s.q[:n])
-        k = b.linear(h, layer.wk, s.k[:n])
-        v = b.linear(h, layer.wv, s.v[:n])
+        q, k, v = b.linear_many(h, (layer.wq, layer.wk, layer.wv), (s.q[:n], s.k[:n], s.v[:n]))
         if layer.bq is not None:
             b.add_bias(q, layer.bq)
             b.add_bias(k, layer.bk)
@@ -241,8 +239,7 @@ class Transformer:
         b, c, s = self.backend, self.config, self.scratch
         n = x.shape[0]
         h = b.rmsnorm(x, layer.ffn_norm, c.rms_eps, s.h[:n])
-        gate = b.linear(h, layer.w_gate, s.gate[:n])
-        up = b.linear(h, layer.w_up, s.up[:n])
+        gate, up = b.linear_many(h, (layer.w_gate, layer.w_up), (s.gate[:n], s.up[:n]))
         if c.activation == "gelu":
             b.gelu_mul(gate, up)
         else:

@@ -191,6 +191,7 @@ def matvec_q5_0(w, x, out):
     """out[n_rows] = dequant(w)[n_rows, n_cols] @ x[n_cols]."""
     check_shapes(w, x, out, 32, 22)
     n_rows, row_bytes = w.shape
+    n16 = hide_constant(16)  # keeps the loop vectorizable (see float.hide_constant)
     for r in prange(n_rows):
         wr = w[r]
         acc = np.empty(32, np.float32)  # hoisted: one per thread
@@ -199,7 +200,7 @@ def matvec_q5_0(w, x, out):
             o, e = b * 22, b * 32
             d = load_f16(wr, o)
             qh = _load_u32(wr, o + 2)
-            for i in range(16):
+            for i in range(n16):
                 q = wr[o + 6 + i]
                 lo = (np.int32(q & 15) | _high_bit(qh, i)) - 16
                 hi = (np.int32(q >> 4) | _high_bit(qh, i + 16)) - 16
