@@ -200,12 +200,16 @@ def matvec_q5_0(w, x, out):
             o, e = b * 22, b * 32
             d = load_f16(wr, o)
             qh = _load_u32(wr, o + 2)
+            # The two 16-bit halves as int32: shifting those is a plain vector shift, where the
+            # uint32 word (with Numba's unsigned semantics) measured ~25% slower.
+            qh_lo = np.int32(qh & np.uint32(0xFFFF))
+            qh_hi = np.int32(qh >> np.uint32(16))
             for i in range(n16):
-                q = wr[o + 6 + i]
-                lo = (np.int32(q & 15) | _high_bit(qh, i)) - 16
-                hi = (np.int32(q >> 4) | _high_bit(qh, i + 16)) - 16
-                acc[i] += d * np.float32(lo) * x[e + i]
-                acc[i + 16] += d * np.float32(hi) * x[e + i + 16]
+                q = np.int32(wr[o + 6 + i])
+                lo = np.float32((q & 15) + (((qh_lo >> i) & 1) << 4) - 16)
+                hi = np.float32((q >> 4) + (((qh_hi >> i) & 1) << 4) - 16)
+                acc[i] += d * lo * x[e + i]
+                acc[i + 16] += d * hi * x[e + i + 16]
         out[r] = acc.sum()
 
 
