@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf_writer import write_gguf
+from test_quants import F16_FIELDS
 
 from localllm import cuda as localllm_cuda
 from localllm import ops
@@ -75,18 +76,6 @@ def to_device(a: np.ndarray):
 
 # ---- weights in every supported type ----
 
-F16_FIELDS = {  # byte offsets of the f16 scale fields inside one block
-    "Q4_0": (0,),
-    "Q4_1": (0, 2),
-    "Q5_0": (0,),
-    "Q5_1": (0, 2),
-    "Q8_0": (0,),
-    "Q2_K": (80, 82),
-    "Q3_K": (108,),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
-}
 TYPES = ["F32", "F16", "BF16", *F16_FIELDS]
 
 
