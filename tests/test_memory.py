@@ -22,9 +22,12 @@ print(json.dumps({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss 
 
 def test_peak_rss_is_file_plus_kv_cache_not_a_float32_copy():
     path = model_path("qwen2.5-coder-0.5b")  # the largest test model: 469 MiB, 630M weights
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(path)], capture_output=True, text=True, check=True
-    )
+    # Twice: a first run on a cold Numba cache compiles the kernels, and LLVM alone then peaks
+    # near 2 GiB; the second run loads them from the cache, as every later run does.
+    for _ in range(2):
+        result = subprocess.run(
+            [sys.executable, "-c", SCRIPT, str(path)], capture_output=True, text=True, check=True
+        )
     stats = json.loads(result.stdout.strip().splitlines()[-1])
     file_mb = path.stat().st_size / 2**20
     float32_mb = stats["params"] * 4 / 2**20  # ~2.4 GiB: what a float32 copy would take
