@@ -44,8 +44,8 @@ class CPUBackend:
     name = "cpu"
 
     def __init__(self, n_threads: int | None = None, llama_cpp_rounding: bool = True):
-        """llama_cpp_rounding: round activations as ggml does before each quantized product
-        (the default; logits then track llama.cpp's). False keeps float32 activations: a little
+        """llama_cpp_rounding: round activations as ggml does before each quantized product, and
+        take GeGLU from ggml's half-precision table (the default; logits then track llama.cpp's). False keeps float32 activations: a little
         more precise, and the same for a token whether it is decoded alone or in a batch."""
         self.llama_cpp_rounding = llama_cpp_rounding
         n = n_threads or default_threads()
@@ -152,7 +152,10 @@ class CPUBackend:
         ops.silu_mul(gate, up)
 
     def gelu_mul(self, gate: np.ndarray, up: np.ndarray) -> None:
-        ops.gelu_tanh_mul(gate, up)
+        if self.llama_cpp_rounding:  # ggml's half-precision table
+            ops.gelu_tanh_mul(gate, up, ops.GELU_TABLE)
+        else:
+            ops.gelu_tanh_mul_exact(gate, up)
 
     def scale(self, x: np.ndarray, factor: float) -> None:
         x *= np.float32(factor)

@@ -14,6 +14,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from localllm.quants.activations import f16_bits
+
 
 @njit(cache=True)
 def rmsnorm(x, weight, eps, out):
@@ -146,10 +148,10 @@ def silu_mul(gate, up):
 
 
 @njit(cache=True)
-def gelu_tanh_mul(gate, up):
-    """gate = gelu_tanh(gate) * up, in place (Gemma's GeGLU). float32[n_tokens, ffn_dim]."""
+def gelu_tanh_mul_exact(gate, up):
+    """gate = gelu_tanh(gate) * up, in place, evaluated in float32 for every element."""
     n_tokens, n = gate.shape
-    c = np.float32(math.sqrt(2.0 / math.pi))
+    c = np.float32(0.7978845608028654)  # sqrt(2 / pi)
     for t in range(n_tokens):
         for i in range(n):
             g = gate[t, i]
@@ -157,6 +159,40 @@ def gelu_tanh_mul(gate, up):
             gate[t, i] = (
                 np.float32(0.5) * g * (np.float32(1.0) + np.float32(math.tanh(inner))) * up[t, i]
             )
+
+
+def _gelu_table() -> np.ndarray:
+    """gelu_tanh of every IEEE half, rounded to half, as float32[65536] (ggml's table)."""
+    x = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    with np.errstate(all="ignore"):
+        inner = (
+            np.float32(0.7978845608028654) * x * (np.float32(1.0) + np.float32(0.044715) * x * x)
+        )
+        gelu = np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
+    return gelu.astype(np.float16).astype(np.float32)
+
+
+GELU_TABLE = _gelu_table()  # float32[65536], indexed by the half bits of x
+
+
+@njit(cache=True)
+def gelu_tanh_mul(gate, up, table):
+    """gate = gelu_tanh(gate) * up, in place (Gemma's GeGLU). float32[n_tokens, ffn_dim].
+
+    As ggml computes it on the CPU: x rounded to half and looked up in a table of gelu values
+    (GELU_TABLE), 0 below -10 and x above 10. Same numbers as llama.cpp, and no tanh per element.
+    """
+    n_tokens, n = gate.shape
+    for t in range(n_tokens):
+        for i in range(n):
+            g = gate[t, i]
+            if g <= np.float32(-10.0):
+                value = np.float32(0.0)
+            elif g >= np.float32(10.0):
+                value = g
+            else:
+                value = table[f16_bits(g)]
+            gate[t, i] = value * up[t, i]
 
 
 @njit(cache=True)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from localllm import ops
+from localllm.quants.activations import f16_bits
 
 rng = np.random.default_rng(0)
 
@@ -91,6 +92,38 @@ def test_activations():
     a = g.copy()
     ops.silu_mul(a, u)
     np.testing.assert_allclose(a, silu, rtol=1e-5, atol=1e-6)
+    exact = g.copy()
+    ops.gelu_tanh_mul_exact(exact, u)
+    np.testing.assert_allclose(exact, gelu, rtol=1e-5, atol=1e-6)
     b = g.copy()
-    ops.gelu_tanh_mul(b, u)
-    np.testing.assert_allclose(b, gelu, rtol=1e-5, atol=1e-6)
+    ops.gelu_tanh_mul(b, u, ops.GELU_TABLE)
+    # ggml's way: gelu of x rounded to half, itself rounded to half (relative error < 2^-10)
+    np.testing.assert_allclose(b, gelu, rtol=2e-3, atol=2e-3)
+    g16 = g.astype(np.float16).astype(np.float32)
+    table_gelu = (
+        0.5
+        * g16
+        * (
+            1
+            + np.tanh(np.float32(np.sqrt(2 / np.pi)) * g16 * (1 + np.float32(0.044715) * g16 * g16))
+        )
+    )
+    np.testing.assert_array_equal(b, table_gelu.astype(np.float16).astype(np.float32) * u)
+
+
+def test_gelu_outside_the_table():
+    g = np.array([[-30.0, -10.0, 10.0, 25.0]], np.float32)
+    u = np.full_like(g, 2.0)
+    ops.gelu_tanh_mul(g, u, ops.GELU_TABLE)
+    np.testing.assert_array_equal(g, [[0.0, 0.0, 20.0, 50.0]])
+
+
+def test_f16_bits_match_numpy():
+    values = np.concatenate(
+        [
+            rng.standard_normal(5000).astype(np.float32) * 10.0 ** rng.integers(-9, 4, 5000),
+            np.array([0.0, -0.0, 6.1e-5, -6.1e-5, 65504.0, 1e-8, 2.98e-8], np.float32),
+        ]
+    ).astype(np.float32)
+    ours = np.array([f16_bits(v) for v in values], np.uint32)
+    np.testing.assert_array_equal(ours, values.astype(np.float16).view(np.uint16))

@@ -16,7 +16,9 @@ float32.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from localllm.quants.float import _bits_to_f32
 
@@ -24,9 +26,31 @@ from localllm.quants.float import _bits_to_f32
 NONE, F16, BF16, Q8_0, Q8_1, Q8_K = "none", "f16", "bf16", "q8_0", "q8_1", "q8_K"
 
 
-@njit(cache=True, inline="always")
-def _f32_bits(v):
-    return np.array([np.float32(v)]).view(np.uint32)[0]
+@intrinsic
+def _f32_bits(typingctx, v):
+    """The bits of a float32 as uint32 (a register bitcast)."""
+    if isinstance(v, types.Float) and v.bitwidth == 32:
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+
+        return types.uint32(v), codegen
+    return None
+
+
+@njit(cache=True)
+def f16_bits(v):
+    """The IEEE half nearest to float32 v (ties to even), as its 16 bits; |v| < 65520."""
+    v = np.float32(v)
+    bits = _f32_bits(v)
+    sign = (bits >> np.uint32(16)) & np.uint32(0x8000)
+    a = abs(v)
+    if a < np.float32(6.103515625e-05):  # zero or subnormal: multiples of 2^-24
+        return sign | np.uint32(np.rint(a / np.float32(5.960464477539063e-08)))
+    rounded = bits + np.uint32(0x0FFF) + ((bits >> np.uint32(13)) & np.uint32(1))
+    exponent = (rounded >> np.uint32(23)) & np.uint32(0xFF)
+    mantissa = (rounded >> np.uint32(13)) & np.uint32(0x3FF)
+    return sign | ((exponent - np.uint32(112)) << np.uint32(10)) | mantissa
 
 
 @njit(cache=True)
