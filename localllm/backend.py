@@ -45,8 +45,9 @@ class CPUBackend:
 
     def __init__(self, n_threads: int | None = None, llama_cpp_rounding: bool = True):
         """llama_cpp_rounding: round activations as ggml does before each quantized product, and
-        take GeGLU from ggml's half-precision table (the default; logits then track llama.cpp's). False keeps float32 activations: a little
-        more precise, and the same for a token whether it is decoded alone or in a batch."""
+        take GeGLU from ggml's half-precision table (the default; logits then track llama.cpp's).
+        False keeps float32 activations and exact GeGLU: a little more precise, and the same for a
+        token whether it is decoded alone or in a batch."""
         self.llama_cpp_rounding = llama_cpp_rounding
         n = n_threads or default_threads()
         if n < 1:
