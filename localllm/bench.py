@@ -37,7 +37,18 @@ class BenchResult:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set size so far, in MiB."""
+    """This process's peak resident set size so far, in MiB.
+
+    On Linux from VmHWM, which starts afresh at exec: getrusage's ru_maxrss survives exec, so a
+    child of a big process (a test runner) would report its parent's size.
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kib / 1024 if sys.platform != "darwin" else kib / 2**20
 

@@ -6,8 +6,11 @@ decodes on its own.
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +37,33 @@ class GenerationResponse:
     logits: np.ndarray | None = None  # float32[vocab], the distribution the token came from
 
 
+@contextmanager
+def _interrupts_between_steps() -> Iterator[Callable[[], None]]:
+    """Ctrl-C only sets a flag; the returned check raises KeyboardInterrupt between steps.
+
+    Python's own handler raises KeyboardInterrupt wherever the interpreter next checks for
+    signals, and that can be inside a Numba kernel call, which then fails ("returned a result
+    with an exception set") or leaves native code in a bad state. Deferring the interrupt to the
+    next step boundary stops generation just as promptly, and cleanly. Only the main thread can
+    own signal handlers; elsewhere (the server's engine thread) this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    received: list[int] = []
+
+    def check() -> None:
+        if received:
+            received.clear()
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def generate_step(
     model: Model,
     prompt_ids: Sequence[int],
@@ -58,17 +88,20 @@ def generate_step(
         )
     # Keep at least one prompt token to run: its logits choose the first new token.
     n_reused = min(cache.common_prefix(prompt_ids), len(prompt_ids) - 1)
-    logits = transformer.forward(prompt_ids[n_reused:], n_reused, cache=cache)
-    history = prompt_ids
-    while True:
-        for process in logits_processors:
-            logits = process(history, logits)
-        token = sampler(logits)
-        yield token, logits
-        history.append(token)
-        if cache.n_past >= cache.n_ctx:
-            return
-        logits = transformer.forward([token], cache.n_past, cache=cache)
+    with _interrupts_between_steps() as check_interrupt:
+        logits = transformer.forward(prompt_ids[n_reused:], n_reused, cache=cache)
+        history = prompt_ids
+        while True:
+            check_interrupt()
+            for process in logits_processors:
+                logits = process(history, logits)
+            token = sampler(logits)
+            yield token, logits
+            history.append(token)
+            if cache.n_past >= cache.n_ctx:
+                return
+            check_interrupt()
+            logits = transformer.forward([token], cache.n_past, cache=cache)
 
 
 def _stop_cut(text: str, stop: Sequence[str]) -> tuple[int, int]:
