@@ -86,8 +86,7 @@ def generate_step(
             f"the prompt is {len(prompt_ids)} tokens, longer than the context size of "
             f"{cache.n_ctx}; use a larger -c/--ctx-size or a shorter prompt"
         )
-    # Keep at least one prompt token to run: its logits choose the first new token.
-    n_reused = min(cache.common_prefix(prompt_ids), len(prompt_ids) - 1)
+    n_reused = cache.reusable_prefix(prompt_ids)
     with _interrupts_between_steps() as check_interrupt:
         logits = transformer.forward(prompt_ids[n_reused:], n_reused, cache=cache)
         history = prompt_ids
@@ -149,7 +148,7 @@ def stream_generate(
     cache = model.transformer.cache if cache is None else cache
     decoder = StreamDecoder(tokenizer)
     n_prompt = len(prompt_ids)
-    n_cached = min(cache.common_prefix(prompt_ids), max(n_prompt - 1, 0))
+    n_cached = cache.reusable_prefix(prompt_ids)
     start = time.perf_counter()
     prompt_time = 0.0
     pending = ""  # decoded text not yet emitted (held back for stop strings)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from localllm.errors import LocalLLMError
-
 
 class KVCache:
     """K/V for one sequence, allocated once for the whole context.
@@ -37,19 +35,14 @@ class KVCache:
     def clear(self) -> None:
         self.tokens.clear()
 
-    def common_prefix(self, token_ids: list[int]) -> int:
-        """Length of the longest prefix of token_ids already in the cache."""
+    def reusable_prefix(self, token_ids: list[int]) -> int:
+        """How many leading token_ids the cache already holds and need not be computed again.
+
+        At most len(token_ids) - 1: the last prompt token is always run, since its logits
+        choose the next token."""
         n = 0
-        for cached, new in zip(self.tokens, token_ids):
+        for cached, new in zip(self.tokens, token_ids[:-1]):
             if cached != new:
                 break
             n += 1
         return n
-
-    def check_room(self, n_new: int) -> None:
-        """Raise a clear error when n_new more tokens would not fit in the context."""
-        if self.n_past + n_new > self.n_ctx:
-            raise LocalLLMError(
-                f"the context is full: {self.n_past} + {n_new} tokens exceed the context size "
-                f"of {self.n_ctx}; use a larger -c/--ctx-size or a shorter prompt"
-            )

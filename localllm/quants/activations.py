@@ -20,7 +20,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from localllm.quants.float import _bits_to_f32
+from localllm.quants.float import _bits_to_f32, f16_to_f32
 
 # vec_dot_type names
 NONE, F16, BF16, Q8_0, Q8_1, Q8_K = "none", "f16", "bf16", "q8_0", "q8_1", "q8_K"
@@ -60,14 +60,7 @@ def round_f16(v):
     a = abs(v)
     if a >= np.float32(65520.0):  # rounds to inf in f16
         return np.float32(np.inf) if v > 0 else np.float32(-np.inf)
-    if a < np.float32(6.103515625e-05):  # f16 subnormal: multiples of 2^-24
-        step = np.float32(5.960464477539063e-08)
-        return np.float32(np.rint(v / step) * step)
-    bits = _f32_bits(v)
-    rounded = (bits + np.uint32(0x0FFF) + ((bits >> np.uint32(13)) & np.uint32(1))) & np.uint32(
-        0xFFFFE000
-    )
-    return _bits_to_f32(np.uint32(rounded))
+    return f16_to_f32(f16_bits(v))
 
 
 @njit(cache=True)
