@@ -16,6 +16,7 @@ import numpy as np
 from localllm import ops, quants
 from localllm.errors import LocalLLMError
 from localllm.gguf import TensorInfo
+from localllm.quants import vnni
 from localllm.quants.activations import VEC_DOT_TYPES, round_activations
 
 
@@ -55,6 +56,9 @@ class CPUBackend:
         numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
         self.n_threads = numba.get_num_threads()
         self._rounded: dict[tuple, np.ndarray] = {}  # rounded activations by (kind, shape)
+        self._quantized: dict[tuple, tuple] = {}  # int8 activations by (super block, n_cols)
+        # one token on an AVX-512 VNNI CPU: ggml's integer dot products (quants/vnni.py)
+        self.integer_decode = llama_cpp_rounding and vnni.AVAILABLE
 
     # -- weights -------------------------------------------------------------------------
 
@@ -101,6 +105,8 @@ class CPUBackend:
     def linear_many(self, x: np.ndarray, weights, outs) -> tuple:
         """outs[i] = x @ weights[i].T for weights sharing one input (Q/K/V, gate/up): x is
         rounded once per activation type rather than once per matrix."""
+        if x.shape[0] == 1 and self.integer_decode:
+            return self._integer_matvecs(x[0], weights, outs)
         rounded = {}
         for w, out in zip(weights, outs, strict=True):
             kind = VEC_DOT_TYPES[w.qtype.ggml_type] if self.llama_cpp_rounding else "none"
@@ -114,6 +120,30 @@ class CPUBackend:
                 w.qtype.matvec(w.raw, xr[0], out[0])
             else:
                 w.qtype.matmul(w.raw, xr, out)
+        return tuple(outs)
+
+    def _integer_matvecs(self, x: np.ndarray, weights, outs) -> tuple:
+        """linear_many for one token: x quantized to int8 once per super-block size, then
+        integer dot products on the raw blocks (types without a VNNI kernel use the float one)."""
+        quantized = {}
+        for w, out in zip(weights, outs, strict=True):
+            code = vnni.CODES.get(w.qtype.ggml_type)
+            if code is None:
+                kind = VEC_DOT_TYPES[w.qtype.ggml_type]
+                xr = round_activations(x[None], kind, np.empty((1, x.shape[0]), np.float32))
+                w.qtype.matvec(w.raw, xr[0], out[0])
+                continue
+            super_block = vnni.SUPER_BLOCK[w.qtype.ggml_type]
+            xq = quantized.get(super_block)
+            if xq is None:
+                xq = self._quantized.get((super_block, x.shape[0]))
+                if xq is None:
+                    xq = self._quantized[(super_block, x.shape[0])] = vnni.activation_buffers(
+                        1, x.shape[0]
+                    )
+                vnni.quantize_q8(x[None], super_block, *xq)
+                quantized[super_block] = xq
+            vnni.matvec(code, w.raw, *(a[0] for a in xq), out[0])
         return tuple(outs)
 
     def embed(self, w: QuantWeight, token_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
