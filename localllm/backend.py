@@ -127,13 +127,13 @@ class CPUBackend:
         integer dot products on the raw blocks (types without a VNNI kernel use the float one)."""
         quantized = {}
         for w, out in zip(weights, outs, strict=True):
-            code = vnni.CODES.get(w.qtype.ggml_type)
-            if code is None:
-                kind = VEC_DOT_TYPES[w.qtype.ggml_type]
+            ggml_type = w.qtype.ggml_type
+            if ggml_type not in vnni.MATVEC:
+                kind = VEC_DOT_TYPES[ggml_type]
                 xr = round_activations(x[None], kind, np.empty((1, x.shape[0]), np.float32))
                 w.qtype.matvec(w.raw, xr[0], out[0])
                 continue
-            super_block = vnni.SUPER_BLOCK[w.qtype.ggml_type]
+            super_block = vnni.SUPER_BLOCK[ggml_type]
             xq = quantized.get(super_block)
             if xq is None:
                 xq = self._quantized.get((super_block, x.shape[0]))
@@ -143,7 +143,7 @@ class CPUBackend:
                     )
                 vnni.quantize_q8(x[None], super_block, *xq)
                 quantized[super_block] = xq
-            vnni.matvec(code, w.raw, *(a[0] for a in xq), out[0])
+            vnni.MATVEC[ggml_type](w.raw, *xq, out)
         return tuple(outs)
 
     def embed(self, w: QuantWeight, token_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
