@@ -180,11 +180,12 @@ class CPUBackend:
         ops.add_inplace(x, y)
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> None:
-        ops.silu_mul(gate, up)
+        (ops.silu_mul if gate.shape[0] == 1 else ops.silu_mul_rows)(gate, up)
 
     def gelu_mul(self, gate: np.ndarray, up: np.ndarray) -> None:
         if self.llama_cpp_rounding:  # ggml's half-precision table
-            ops.gelu_tanh_mul(gate, up, ops.GELU_TABLE)
+            kernel = ops.gelu_tanh_mul if gate.shape[0] == 1 else ops.gelu_tanh_mul_rows
+            kernel(gate, up, ops.GELU_TABLE)
         else:
             ops.gelu_tanh_mul_exact(gate, up)
 

@@ -138,13 +138,24 @@ def attention(q, k_cache, v_cache, start_pos, window, scale, out):
 
 
 @njit(cache=True)
+def _silu_mul_row(gate, up):
+    for i in range(gate.shape[0]):
+        g = gate[i]
+        gate[i] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * up[i]
+
+
+@njit(cache=True)
 def silu_mul(gate, up):
     """gate = silu(gate) * up, in place. gate, up: float32[n_tokens, ffn_dim]."""
-    n_tokens, n = gate.shape
-    for t in range(n_tokens):
-        for i in range(n):
-            g = gate[t, i]
-            gate[t, i] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * up[t, i]
+    for t in range(gate.shape[0]):
+        _silu_mul_row(gate[t], up[t])
+
+
+@njit(parallel=True, cache=True)
+def silu_mul_rows(gate, up):
+    """silu_mul with the tokens spread over threads (prefill)."""
+    for t in prange(gate.shape[0]):
+        _silu_mul_row(gate[t], up[t])
 
 
 @njit(cache=True)
@@ -176,23 +187,34 @@ GELU_TABLE = _gelu_table()  # float32[65536], indexed by the half bits of x
 
 
 @njit(cache=True)
+def _gelu_tanh_mul_row(gate, up, table):
+    for i in range(gate.shape[0]):
+        g = gate[i]
+        if g <= np.float32(-10.0):
+            value = np.float32(0.0)
+        elif g >= np.float32(10.0):
+            value = g
+        else:
+            value = table[f16_bits(g)]
+        gate[i] = value * up[i]
+
+
+@njit(cache=True)
 def gelu_tanh_mul(gate, up, table):
     """gate = gelu_tanh(gate) * up, in place (Gemma's GeGLU). float32[n_tokens, ffn_dim].
 
     As ggml computes it on the CPU: x rounded to half and looked up in a table of gelu values
     (GELU_TABLE), 0 below -10 and x above 10. Same numbers as llama.cpp, and no tanh per element.
     """
-    n_tokens, n = gate.shape
-    for t in range(n_tokens):
-        for i in range(n):
-            g = gate[t, i]
-            if g <= np.float32(-10.0):
-                value = np.float32(0.0)
-            elif g >= np.float32(10.0):
-                value = g
-            else:
-                value = table[f16_bits(g)]
-            gate[t, i] = value * up[t, i]
+    for t in range(gate.shape[0]):
+        _gelu_tanh_mul_row(gate[t], up[t], table)
+
+
+@njit(parallel=True, cache=True)
+def gelu_tanh_mul_rows(gate, up, table):
+    """gelu_tanh_mul with the tokens spread over threads (prefill)."""
+    for t in prange(gate.shape[0]):
+        _gelu_tanh_mul_row(gate[t], up[t], table)
 
 
 @njit(cache=True)

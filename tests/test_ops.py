@@ -109,6 +109,15 @@ def test_activations():
         )
     )
     np.testing.assert_array_equal(b, table_gelu.astype(np.float16).astype(np.float32) * u)
+    # the prefill variants, tokens spread over threads: the same numbers
+    for serial, rows, extra in (
+        (ops.silu_mul, ops.silu_mul_rows, ()),
+        (ops.gelu_tanh_mul, ops.gelu_tanh_mul_rows, (ops.GELU_TABLE,)),
+    ):
+        one, many = g.copy(), g.copy()
+        serial(one, u, *extra)
+        rows(many, u, *extra)
+        np.testing.assert_array_equal(one, many)
 
 
 def test_gelu_outside_the_table():
