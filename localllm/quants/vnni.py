@@ -127,17 +127,14 @@ class _Emitter:
     # -- one unpacked chunk times the activations
     def accumulate(self, row, chunk):
         """chunk = (c, u, offset, scale, minimum): 32 weights w = scale * (u - offset) + minimum
-        at columns 32c.., u <32 x u8>; scale a float or <8 x float> (per lane), minimum a float
-        or None, offset an int (0: none)."""
+        at columns 32c.., u <32 x u8>; scale and minimum a float or <8 x float> (per lane of 4
+        weights), minimum None if there is none, offset an int (0: none)."""
         b = self.b
         c, u, offset, scale, minimum = chunk
         x = self.load(self.xq, b.mul(c, ir.Constant(c.type, 32)), _V8I32)
         init = ir.Constant(_V8I32, None)
         if offset:  # -offset * (sum of the 4 activations of each lane)
-            lanes = b.gep(self.xl, [b.mul(c, ir.Constant(c.type, 8))])
-            init = b.mul(
-                b.load(b.bitcast(lanes, _V8I32.as_pointer()), align=4), _splat(_V8I32, -offset)
-            )
+            init = b.mul(self.lane_sums(c), _splat(_V8I32, -offset))
         isum = b.call(self.vpdpbusd, [init, b.bitcast(u, _V8I32), x])
         dx = b.load(b.gep(self.xd, [c]))
         if isinstance(scale.type, ir.VectorType):
@@ -146,9 +143,20 @@ class _Emitter:
             scale = self.splat8(b.fmul(scale, dx))
         prod = b.fmul(b.sitofp(isum, _V8F32), scale, flags=("contract",))
         b.store(b.fadd(b.load(self.acc[row]), prod, flags=("contract",)), self.acc[row])
-        if minimum is not None:  # + minimum * (sum of the chunk's activations)
+        if minimum is None:
+            return
+        if isinstance(minimum.type, ir.VectorType):  # per lane: + minimum * (its 4 activations)
+            sums = b.sitofp(self.lane_sums(c), _V8F32)
+            term = b.fmul(sums, b.fmul(minimum, self.splat8(dx)), flags=("contract",))
+            b.store(b.fadd(b.load(self.acc[row]), term, flags=("contract",)), self.acc[row])
+        else:  # + minimum * (sum of the chunk's activations)
             term = b.fmul(minimum, b.load(b.gep(self.xs, [c])))
             b.store(b.fadd(b.load(self.accm[row]), term), self.accm[row])
+
+    def lane_sums(self, c):
+        """<8 x i32>: the sums of the 4 activation quants of each lane of chunk c."""
+        lanes = self.b.gep(self.xl, [self.b.mul(c, ir.Constant(c.type, 8))])
+        return self.b.load(self.b.bitcast(lanes, _V8I32.as_pointer()), align=4)
 
     def result(self, row):
         acc = self.b.load(self.acc[row])
@@ -298,7 +306,6 @@ def _q6_k(e, blk, c0):
     b = e.b
     d = e.f16(blk, 208)
     three = _splat(_V32I8, 3)
-    halves = ir.Constant(_V8I32, [0, 0, 0, 0, 1, 1, 1, 1])  # lanes 0-3: scale 0, 4-7: scale 1
     for h in range(2):
         ql0, ql1 = e.load(blk, 64 * h, _V32I8), e.load(blk, 64 * h + 32, _V32I8)
         qh = e.load(blk, 128 + 32 * h, _V32I8)
@@ -307,13 +314,75 @@ def _q6_k(e, blk, c0):
         for g, low in enumerate((lo0, lo1, hi0, hi1)):
             top = b.and_(b.lshr(qh, _splat(_V32I8, 2 * g)), three)
             u = b.or_(low, b.shl(top, _splat(_V32I8, 4)))
-            scales = ir.Constant(_V8F32, None)
-            for half in range(2):
-                sc = b.sitofp(e.load(blk, 192 + 8 * h + 2 * g + half, _I8), _F32)
-                scales = b.insert_element(scales, b.fmul(d, sc), ir.Constant(_I32, half))
-            lanes = b.shuffle_vector(scales, ir.Constant(_V8F32, None), halves)
-            yield e.chunk_index(c0, 4 * h + g), u, 32, lanes, None
+            k = 192 + 8 * h + 2 * g
+            scales = [b.fmul(d, b.sitofp(e.load(blk, k + half, _I8), _F32)) for half in range(2)]
+            yield e.chunk_index(c0, 4 * h + g), u, 32, _two_halves(e, *scales), None
 
+
+def _two_halves(e, low, high):
+    """<8 x float>: lanes 0-3 low, lanes 4-7 high (a chunk's two 16-weight sub-blocks)."""
+    pair = e.b.insert_element(ir.Constant(_V8F32, None), low, ir.Constant(_I32, 0))
+    pair = e.b.insert_element(pair, high, ir.Constant(_I32, 1))
+    lanes = ir.Constant(_V8I32, [0, 0, 0, 0, 1, 1, 1, 1])
+    return e.b.shuffle_vector(pair, ir.Constant(_V8F32, None), lanes)
+
+
+def _crumbs(e, blk, offset, h, j):
+    """2-bit fields j of the 32 bytes at offset + 32h: the low bits of chunk 4h + j."""
+    q = e.load(blk, offset + 32 * h, _V32I8)
+    return e.b.and_(e.b.lshr(q, _splat(_V32I8, 2 * j)), _splat(_V32I8, 3))
+
+
+def _q2_k(e, blk, c0):
+    """scales[16] (4-bit scale | 4-bit min << 4) | qs[64] | d f16 | dmin f16:
+    w = d * sc * q - dmin * m per 16 weights, q 2 bits."""
+    b = e.b
+    d, dmin = e.f16(blk, 80), e.f16(blk, 82)
+    for h in range(2):
+        for j in range(4):
+            scales, mins = [], []
+            for k in (8 * h + 2 * j, 8 * h + 2 * j + 1):
+                packed = e.byte(blk, k)
+                scales.append(b.fmul(d, b.uitofp(b.and_(packed, ir.Constant(_I32, 15)), _F32)))
+                m = b.uitofp(b.lshr(packed, ir.Constant(_I32, 4)), _F32)
+                mins.append(b.fneg(b.fmul(dmin, m)))
+            u = _crumbs(e, blk, 16, h, j)
+            yield e.chunk_index(c0, 4 * h + j), u, 0, _two_halves(e, *scales), _two_halves(e, *mins)
+
+
+def _q3_k_scale(e, blk, k):
+    """Scale k (of 16) from the 12 packed bytes at offset 96, as ggml unpacks them, minus 32."""
+    b = e.b
+
+    def byte(i):
+        return e.byte(blk, 96 + i)
+
+    def bits(v, shift, mask):
+        return b.and_(b.lshr(v, ir.Constant(_I32, shift)), ir.Constant(_I32, mask))
+
+    group, i = divmod(k, 4)
+    low = bits(byte(4 * (group % 2) + i), 4 * (group // 2), 15)
+    high = bits(byte(8 + i), 2 * group, 3)
+    value = b.or_(low, b.shl(high, ir.Constant(_I32, 4)))
+    return b.sitofp(b.sub(value, ir.Constant(_I32, 32)), _F32)
+
+
+def _q3_k(e, blk, c0):
+    """hmask[32] | qs[64] | scales[12] (16 x 6 bits) | d f16: w = d * (sc - 32) * (q - 4) per 16
+    weights, q = 2 low bits | (hmask bit) << 2."""
+    b = e.b
+    d = e.f16(blk, 108)
+    hmask = e.load(blk, 0, _V32I8)
+    for h in range(2):
+        for j in range(4):
+            bit = b.and_(b.lshr(hmask, _splat(_V32I8, 4 * h + j)), _splat(_V32I8, 1))
+            u = b.or_(_crumbs(e, blk, 32, h, j), b.shl(bit, _splat(_V32I8, 2)))
+            k = 8 * h + 2 * j
+            scales = [b.fmul(d, _q3_k_scale(e, blk, k + half)) for half in range(2)]
+            yield e.chunk_index(c0, 4 * h + j), u, 4, _two_halves(e, *scales), None
+
+
+# ---- the types, as the kernels see them
 
 ROWS = 4  # rows per pass of the matvec kernels
 _BLOCKS = {  # ggml type id: (bytes per block, 32-weight chunks per block, block unpacker)
@@ -322,6 +391,8 @@ _BLOCKS = {  # ggml type id: (bytes per block, 32-weight chunks per block, block
     6: (22, 1, _q5_0),
     7: (24, 1, _q5_1),
     8: (34, 1, _q8_0),
+    10: (84, 8, _q2_k),
+    11: (110, 8, _q3_k),
     12: (144, 8, _q4_k),
     13: (176, 8, _q5_k),
     14: (210, 8, _q6_k),
@@ -403,7 +474,8 @@ def activation_buffers(n_tokens: int, n_cols: int) -> tuple:
 # code). They are made by a factory; each gets its own __qualname__, which is what Numba's
 # on-disk cache files are named after, so that the types do not share one cache entry.
 
-SUPER_BLOCK = {2: 32, 3: 32, 6: 32, 7: 32, 8: 32, 12: 256, 13: 256, 14: 256}  # of the activations
+# activation super-block (Q8_0/Q8_1: 32, Q8_K: 256) per GGML type id
+SUPER_BLOCK = {2: 32, 3: 32, 6: 32, 7: 32, 8: 32, 10: 256, 11: 256, 12: 256, 13: 256, 14: 256}
 
 
 def _matvec(ggml_type: int, name: str):
