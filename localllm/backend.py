@@ -16,7 +16,7 @@ import numpy as np
 from localllm import ops, quants
 from localllm.errors import LocalLLMError
 from localllm.gguf import TensorInfo
-from localllm.quants import vnni
+from localllm.quants import intdot
 from localllm.quants.activations import VEC_DOT_TYPES, round_activations
 
 
@@ -57,8 +57,8 @@ class CPUBackend:
         self.n_threads = numba.get_num_threads()
         self._rounded: dict[tuple, np.ndarray] = {}  # rounded activations by (kind, shape)
         self._quantized: dict[tuple, tuple] = {}  # int8 activations by (super block, n_cols)
-        # one token on an AVX-512 VNNI CPU: ggml's integer dot products (quants/vnni.py)
-        self.integer_decode = llama_cpp_rounding and vnni.AVAILABLE
+        # one token on an x86 CPU with AVX2 or VNNI: ggml's integer dot products (quants/intdot.py)
+        self.integer_decode = llama_cpp_rounding and intdot.AVAILABLE
 
     # -- weights -------------------------------------------------------------------------
 
@@ -124,26 +124,26 @@ class CPUBackend:
 
     def _integer_matvecs(self, x: np.ndarray, weights, outs) -> tuple:
         """linear_many for one token: x quantized to int8 once per super-block size, then
-        integer dot products on the raw blocks (types without a VNNI kernel use the float one)."""
+        integer dot products on the raw blocks (a type without an integer kernel: the float one)."""
         quantized = {}
         for w, out in zip(weights, outs, strict=True):
             ggml_type = w.qtype.ggml_type
-            if ggml_type not in vnni.MATVEC:
+            if ggml_type not in intdot.MATVEC:
                 kind = VEC_DOT_TYPES[ggml_type]
                 xr = round_activations(x[None], kind, np.empty((1, x.shape[0]), np.float32))
                 w.qtype.matvec(w.raw, xr[0], out[0])
                 continue
-            super_block = vnni.SUPER_BLOCK[ggml_type]
+            super_block = intdot.SUPER_BLOCK[ggml_type]
             xq = quantized.get(super_block)
             if xq is None:
                 xq = self._quantized.get((super_block, x.shape[0]))
                 if xq is None:
-                    xq = self._quantized[(super_block, x.shape[0])] = vnni.activation_buffers(
+                    xq = self._quantized[(super_block, x.shape[0])] = intdot.activation_buffers(
                         1, x.shape[0]
                     )
-                vnni.quantize_q8(x[None], super_block, *xq)
+                intdot.quantize_q8(x[None], super_block, *xq)
                 quantized[super_block] = xq
-            vnni.MATVEC[ggml_type](w.raw, *xq, out)
+            intdot.MATVEC[ggml_type](w.raw, *xq, out)
         return tuple(outs)
 
     def embed(self, w: QuantWeight, token_ids: np.ndarray, out: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Integer dot products on AVX-512 VNNI, the way ggml's CPU kernels compute them.
+"""Integer dot products on x86 SIMD (AVX-512 VNNI, AVX-VNNI or AVX2), as ggml's CPU kernels do.
 
 ggml quantizes each activation row to int8 blocks (Q8_0/Q8_1/Q8_K, see activations.py) and
 multiplies them with the weight's integer quants, applying the float scales once per block. Here
@@ -22,8 +22,11 @@ flipping the sign bit, Q6_K: 32): `init = -o * xl` subtracts o * (sum of the 4 a
 lane in integers, from `xl`, computed once per activation row. The asymmetric types (w = d * u + m)
 add m * xs per block instead, xs = d_x * sum(q_x) of the block.
 
-Only CPUs with AVX-512 VNNI and VL get these kernels (`AVAILABLE`); the float kernels in
-legacy.py/kquants.py are the portable path, and the tests hold the two against each other.
+`INSTRUCTION_SET` is chosen from the CPU features Numba compiles for: "vnni" (vpdpbusd, AVX-512
+VNNI+VL or the VEX-coded AVX-VNNI), "avx2" (vpmaddubsw + vpmaddwd, with ggml's sign trick for
+Q8_0's full int8 range), or None, where `AVAILABLE` is False and the float kernels in
+legacy.py/kquants.py run instead (any CPU Numba supports). The tests run all three, the first
+two against a float64 reference and the float kernels, by compiling for older targets.
 Decode (one token) runs here; prefill stays on the float kernels: a 4-row x 4-token VNNI tile
 measured ~50 G MAC/s against ~100 G for the float tiles, which unpack a block once and then
 multiply-add 16 floats per instruction.
@@ -36,17 +39,31 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
+from numba.core import config as numba_config
 from numba.extending import intrinsic
 
 from .activations import round_f16
 
 
-def _host_has_vnni() -> bool:
-    features = llvm.get_host_cpu_features()
-    return all(features.get(f, False) for f in ("avx512vnni", "avx512vl", "avx512bw", "f16c"))
+def _target_features() -> set[str]:
+    """The CPU features Numba compiles for: $NUMBA_CPU_FEATURES if set, else the host's."""
+    if numba_config.CPU_FEATURES is not None:
+        return {f[1:] for f in numba_config.CPU_FEATURES.split(",") if f.startswith("+")}
+    return {name for name, present in llvm.get_host_cpu_features().items() if present}
 
 
-AVAILABLE = _host_has_vnni()
+def _instruction_set(features: set[str]) -> str | None:
+    """ "vnni": vpdpbusd (AVX-512 VNNI with VL, or the VEX-coded AVX-VNNI); "avx2": vpmaddubsw +
+    vpmaddwd, ggml's AVX2 way; None: neither, the float kernels run instead."""
+    if {"avx512vnni", "avx512vl"} <= features or "avxvnni" in features:
+        return "vnni"
+    if {"avx2", "f16c"} <= features:
+        return "avx2"
+    return None
+
+
+INSTRUCTION_SET = _instruction_set(_target_features())
+AVAILABLE = INSTRUCTION_SET is not None
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 _V16I8, _V32I8 = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32)
@@ -55,6 +72,9 @@ _V8I32, _V8F32 = ir.VectorType(_I32, 8), ir.VectorType(_F32, 8)
 
 def _splat(vec_type, value):
     return ir.Constant(vec_type, [value] * vec_type.count)
+
+
+SIGNED = -1  # the `offset` of a chunk of int8 weights (Q8_0)
 
 
 class _Emitter:
@@ -73,10 +93,6 @@ class _Emitter:
         self.accm = [
             cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(n_rows)
         ]
-        fnty = ir.FunctionType(_V8I32, [_V8I32, _V8I32, _V8I32])
-        self.vpdpbusd = cgutils.get_or_insert_function(
-            builder.module, fnty, "llvm.x86.avx512.vpdpbusd.256"
-        )
 
     # -- loads from a weight block (byte offsets)
     def load(self, base, offset, ty):
@@ -124,18 +140,46 @@ class _Emitter:
         one = self.b.insert_element(ir.Constant(_V8F32, None), value, ir.Constant(_I32, 0))
         return self.b.shuffle_vector(one, ir.Constant(_V8F32, None), ir.Constant(_V8I32, [0] * 8))
 
+    def _intrinsic(self, name, result, *operands):
+        fnty = ir.FunctionType(result, [v.type for v in operands])
+        return self.b.call(cgutils.get_or_insert_function(self.b.module, fnty, name), operands)
+
+    def dot(self, init, u, x):
+        """init + (per lane of 4 bytes: the sum of u * x), u <32 x u8> (< 128 for avx2, which
+        adds pairs in saturating int16), x <32 x i8> (> -128)."""
+        u, x = self.b.bitcast(u, _V32I8), self.b.bitcast(x, _V32I8)
+        if INSTRUCTION_SET == "vnni":
+            args = [self.b.bitcast(v, _V8I32) for v in (init, u, x)]
+            return self._intrinsic("llvm.x86.avx512.vpdpbusd.256", _V8I32, *args)
+        pairs = self._intrinsic("llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_I16, 16), u, x)
+        ones = _splat(ir.VectorType(_I16, 16), 1)
+        return self.b.add(init, self._intrinsic("llvm.x86.avx2.pmadd.wd", _V8I32, pairs, ones))
+
+    def sign(self, v, s):
+        """v negated where s < 0, zeroed where s == 0 (vpsignb)."""
+        return self._intrinsic("llvm.x86.avx2.psign.b", _V32I8, v, s)
+
     # -- one unpacked chunk times the activations
     def accumulate(self, row, chunk):
         """chunk = (c, u, offset, scale, minimum): 32 weights w = scale * (u - offset) + minimum
         at columns 32c.., u <32 x u8>; scale and minimum a float or <8 x float> (per lane of 4
-        weights), minimum None if there is none, offset an int (0: none)."""
+        weights), minimum None if there is none, offset an int (0: none) or SIGNED: u holds
+        int8 weights themselves."""
         b = self.b
         c, u, offset, scale, minimum = chunk
         x = self.load(self.xq, b.mul(c, ir.Constant(c.type, 32)), _V8I32)
         init = ir.Constant(_V8I32, None)
-        if offset:  # -offset * (sum of the 4 activations of each lane)
-            init = b.mul(self.lane_sums(c), _splat(_V8I32, -offset))
-        isum = b.call(self.vpdpbusd, [init, b.bitcast(u, _V8I32), x])
+        if offset == SIGNED and INSTRUCTION_SET == "avx2":
+            # ggml's sign trick: |w| * (x with w's sign), |w| <= 128 keeps the pairs in int16
+            x = b.bitcast(x, _V32I8)
+            isum = self.dot(ir.Constant(_V8I32, None), self.sign(u, u), self.sign(x, u))
+        else:
+            if offset == SIGNED:  # unsigned levels w + 128 for vpdpbusd, 128 subtracted below
+                u, offset = b.xor(u, _splat(_V32I8, 0x80)), 128
+            init = ir.Constant(_V8I32, None)
+            if offset:  # -offset * (sum of the 4 activations of each lane)
+                init = b.mul(self.lane_sums(c), _splat(_V8I32, -offset))
+            isum = self.dot(init, u, b.bitcast(x, _V32I8))
         dx = b.load(b.gep(self.xd, [c]))
         if isinstance(scale.type, ir.VectorType):
             scale = b.fmul(scale, self.splat8(dx))
@@ -256,8 +300,7 @@ def _q5_1(e, blk, c):
 
 
 def _q8_0(e, blk, c):
-    u = e.b.xor(e.load(blk, 2, _V32I8), _splat(_V32I8, 0x80))  # q + 128 as unsigned
-    yield c, u, 128, e.f16(blk, 0), None
+    yield c, e.load(blk, 2, _V32I8), SIGNED, e.f16(blk, 0), None
 
 
 # ---- k-quants: 256-weight super-blocks = 8 chunks

@@ -1,23 +1,30 @@
-"""The AVX-512 VNNI integer kernels against the float kernels and a float64 reference."""
+"""The integer kernels (quants/intdot.py) against a float64 reference and the float kernels, for
+each instruction set they are compiled for: this CPU's, and older x86 targets through Numba's
+NUMBA_CPU_NAME / NUMBA_CPU_FEATURES (code for them runs on this CPU too)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from test_quants import ggml_id, random_weights, read_only
 
-from localllm.quants import dequantize, get_quant_type, vnni
+from localllm.quants import dequantize, get_quant_type, intdot
 from localllm.quants.activations import VEC_DOT_TYPES, round_activations
 
-pytestmark = pytest.mark.skipif(not vnni.AVAILABLE, reason="this CPU lacks AVX-512 VNNI")
+pytestmark = pytest.mark.skipif(not intdot.AVAILABLE, reason="no integer kernels for this CPU")
 
-TYPES = {get_quant_type(t).name: t for t in vnni.MATVEC}
+TYPES = {get_quant_type(t).name: t for t in intdot.MATVEC}
 ASYMMETRIC_LEGACY = {"Q4_1", "Q5_1"}  # w = d * q + m, with m an f16 at byte 2 of each block
 
 
 def quantized(x: np.ndarray, ggml_type: int) -> tuple:
-    xq = vnni.activation_buffers(*x.shape)
-    vnni.quantize_q8(x, vnni.SUPER_BLOCK[ggml_type], *xq)
+    xq = intdot.activation_buffers(*x.shape)
+    intdot.quantize_q8(x, intdot.SUPER_BLOCK[ggml_type], *xq)
     return xq
 
 
@@ -66,7 +73,7 @@ def test_matvec_matches_reference(name, n_rows):
     xq = quantized(x, ggml_type)
     expected = reference(raw, ggml_type, x, xq)
     out = np.full((1, n_rows), np.nan, np.float32)
-    vnni.MATVEC[ggml_type](raw, *xq, out)
+    intdot.MATVEC[ggml_type](raw, *xq, out)
     np.testing.assert_allclose(out, expected, rtol=0, atol=2e-6 * np.abs(expected).max())
 
 
@@ -81,9 +88,67 @@ def test_integer_and_float_kernels_agree(name):
     x = rng.standard_normal((1, 4 * 256)).astype(np.float32)
     xq = quantized(x, ggml_type)
     ours = np.empty(64, np.float32)
-    vnni.MATVEC[ggml_type](raw, *xq, ours[None])
+    intdot.MATVEC[ggml_type](raw, *xq, ours[None])
     theirs = np.empty(64, np.float32)
     qt.matvec(raw, round_activations(x, VEC_DOT_TYPES[ggml_type], np.empty_like(x))[0], theirs)
     # equal up to float summation order, and the f16 block sums of Q8_1
     tol = 2e-3 if name in ASYMMETRIC_LEGACY else 2e-5
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=tol * np.abs(theirs).max())
+
+
+HASWELL = (
+    "+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fsgsbase,+lzcnt,+mmx,+movbe,+pclmul,"
+    "+popcnt,+rdrnd,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,+xsaveopt"
+)
+TARGETS = {  # instruction set: (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES)
+    "avx2": ("haswell", HASWELL),
+    "vnni": ("alderlake", HASWELL + ",+avxvnni"),  # AVX-VNNI (VEX), no AVX-512
+    None: (
+        "nehalem",
+        "+64bit,+cmov,+cx16,+mmx,+popcnt,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3",
+    ),
+}
+
+
+def run_for_target(instruction_set, tmp_path: Path, *args: str) -> str:
+    cpu_name, features = TARGETS[instruction_set]
+    env = dict(
+        os.environ,
+        NUMBA_CPU_NAME=cpu_name,
+        NUMBA_CPU_FEATURES=features,
+        NUMBA_CACHE_DIR=str(tmp_path / "numba"),
+    )
+    result = subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.parametrize("instruction_set", ["avx2", "vnni"])
+def test_other_instruction_sets(instruction_set, tmp_path):
+    """The AVX2 (vpmaddubsw) and AVX-VNNI (VEX vpdpbusd) variants pass the tests above."""
+    code = "from localllm.quants import intdot; print(intdot.INSTRUCTION_SET)"
+    assert run_for_target(instruction_set, tmp_path, "-c", code).strip() == instruction_set
+    tests = str(Path(__file__).parent / "test_intdot.py")
+    select = "matches_reference and 37 or agree"
+    run_for_target(
+        instruction_set,
+        tmp_path,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        tests,
+        "-k",
+        select,
+    )
+
+
+def test_no_simd_falls_back_to_float_kernels(tmp_path):
+    code = (
+        "from localllm.backend import CPUBackend; from localllm.quants import intdot; "
+        "print(intdot.INSTRUCTION_SET, CPUBackend(1).integer_decode)"
+    )
+    assert run_for_target(None, tmp_path, "-c", code).split() == ["None", "False"]
