@@ -87,8 +87,11 @@ class CPUBackend:
         return np.array(x, dtype=np.float32)
 
     def write_kv(self, k_cache, v_cache, start_pos: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Store k, v: float32[n_tokens, n_kv_heads, head_dim] at start_pos in one layer's cache."""
+        """Store k, v: float32[n_tokens, n_kv_heads, head_dim] at start_pos in one layer's cache
+        (rounded to half with llama_cpp_rounding: llama.cpp's KV cache is f16)."""
         n = k.shape[0]
+        if self.llama_cpp_rounding:
+            k, v = k.astype(np.float16), v.astype(np.float16)
         k_cache[start_pos : start_pos + n] = k
         v_cache[start_pos : start_pos + n] = v
 
@@ -170,7 +173,12 @@ class CPUBackend:
         return ops.rope_cos_sin(positions, rope_dim, np.float32(theta_base), np.float32(freq_scale))
 
     def attention(self, q, k_cache, v_cache, start_pos, window, scale, out) -> np.ndarray:
-        ops.attention(q, k_cache, v_cache, start_pos, window, np.float32(scale), out)
+        """With llama_cpp_rounding, q (overwritten) and the softmax probabilities are rounded to
+        half, as llama.cpp's matrix products with its f16 KV cache round them."""
+        f16 = self.llama_cpp_rounding
+        if f16:
+            q[...] = q.astype(np.float16)
+        ops.attention(q, k_cache, v_cache, start_pos, window, np.float32(scale), f16, out)
         return out
 
     def add_bias(self, x: np.ndarray, bias: np.ndarray) -> None:
@@ -180,7 +188,7 @@ class CPUBackend:
         ops.add_inplace(x, y)
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> None:
-        (ops.silu_mul if gate.shape[0] == 1 else ops.silu_mul_rows)(gate, up)
+        ops.silu_mul(gate, up)
 
     def gelu_mul(self, gate: np.ndarray, up: np.ndarray) -> None:
         if self.llama_cpp_rounding:  # ggml's half-precision table

@@ -229,7 +229,7 @@ def test_cuda_attention_gqa_causal_windows(window, start_pos, n_tokens):
     k_cache = rng.standard_normal((n_ctx, n_kv_heads, head_dim)).astype(np.float32)
     v_cache = rng.standard_normal((n_ctx, n_kv_heads, head_dim)).astype(np.float32)
     expected = np.empty_like(q)
-    ops.attention(q, k_cache, v_cache, start_pos, window, np.float32(0.35), expected)
+    ops.attention(q, k_cache, v_cache, start_pos, window, np.float32(0.35), False, expected)
     b = backend()
     out = b.zeros(q.shape)
     b.attention(to_device(q), to_device(k_cache), to_device(v_cache), start_pos, window, 0.35, out)

@@ -12,9 +12,12 @@ from localllm.quants import intdot
 # Rounding noise: these 4-bit models move logits by 0.1-0.5 under a change of float rounding
 # alone. Measured on smollm2: our logits with activations rounded as ggml rounds them (Q8_0/Q8_1/
 # Q8_K) and with float32 activations differ by up to 0.48, as much as either differs from
-# llama.cpp's (up to 0.72 over all three models). So where llama.cpp's top two logits are closer
-# than NEAR_TIE, either token is a fair greedy choice, and logits agree within LOGIT_TOL.
-NEAR_TIE = 0.3
+# llama.cpp's (top-5 logits within 0.57 / 0.74 / 0.23 on smollm2 / gemma3 / qwen2.5, with ggml's
+# f16 rounding in attention). A change of summation order alone (the integer decode kernels, or
+# vectorizing attention) moved one smollm2 step's top-2 gap by 0.37. So where llama.cpp's top two
+# logits are closer than NEAR_TIE, either token is a fair greedy choice (teacher-forced, 6 of 144
+# steps pick the second token, at llama.cpp gaps of 0.03-0.33), and logits agree within LOGIT_TOL.
+NEAR_TIE = 0.4
 LOGIT_TOL = 1.0
 
 

@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+from numba import njit
 
 from localllm import ops
 from localllm.quants.activations import f16_bits
@@ -78,7 +79,7 @@ def test_attention_gqa_causal_window(window):
     v = rng.standard_normal((n_ctx, n_kv, head_dim)).astype(np.float32)
     out = np.empty_like(q)
     scale = 1 / math.sqrt(head_dim)
-    ops.attention(q, k, v, start, window, np.float32(scale), out)
+    ops.attention(q, k, v, start, window, np.float32(scale), False, out)
     np.testing.assert_allclose(
         out, _attention_ref(q, k, v, start, window, scale), rtol=1e-4, atol=1e-5
     )
@@ -110,14 +111,30 @@ def test_activations():
     )
     np.testing.assert_array_equal(b, table_gelu.astype(np.float16).astype(np.float32) * u)
     # the prefill variants, tokens spread over threads: the same numbers
-    for serial, rows, extra in (
-        (ops.silu_mul, ops.silu_mul_rows, ()),
-        (ops.gelu_tanh_mul, ops.gelu_tanh_mul_rows, (ops.GELU_TABLE,)),
-    ):
-        one, many = g.copy(), g.copy()
-        serial(one, u, *extra)
-        rows(many, u, *extra)
-        np.testing.assert_array_equal(one, many)
+    one, many = g.copy(), g.copy()
+    ops.gelu_tanh_mul(one, u, ops.GELU_TABLE)
+    ops.gelu_tanh_mul_rows(many, u, ops.GELU_TABLE)
+    np.testing.assert_array_equal(one, many)
+
+
+@njit
+def _expf_each(x, out):
+    for i in range(x.shape[0]):
+        out[i] = ops.expf(x[i])
+
+
+def test_expf_as_ggml():
+    x = np.concatenate([np.linspace(-87, 88, 100_001), rng.uniform(-1, 1, 10_000)])  # normal range
+    x = x.astype(np.float32)
+    ours = np.empty_like(x)
+    _expf_each(x, ours)
+    exact = np.exp(x.astype(np.float64))
+    # ggml_v_expf: max error 1.45 + 0.5 ulp (an ulp is at most 2**-23 of the value)
+    assert (np.abs(ours - exact) / exact).max() < 2.0 * 2.0**-23
+    edges = np.array([-np.inf, -200.0, -104.5, 0.0, 89.0, 200.0, np.inf], np.float32)
+    out = np.empty_like(edges)
+    _expf_each(edges, out)
+    np.testing.assert_array_equal(out, [0.0, 0.0, 0.0, 1.0, np.inf, np.inf, np.inf])
 
 
 def test_gelu_outside_the_table():
