@@ -256,11 +256,12 @@ def _rows_typer(type_size, chunks_per_block, unpack_block, n_rows):
                 offset = builder.mul(loop.index, ir.Constant(i64, type_size))
                 first = builder.mul(loop.index, ir.Constant(i64, chunks_per_block))
                 for i, row in enumerate(rows):
-                    ahead = builder.gep(
-                        row, [builder.add(offset, ir.Constant(i64, PREFETCH_BYTES))]
-                    )
-                    # read, keep in all cache levels, data
-                    builder.call(prefetch, [ahead, *(ir.Constant(_I32, v) for v in (0, 3, 1))])
+                    # every cache line of the block PREFETCH_BYTES ahead (a k-quant block spans
+                    # up to 4): read, keep in all cache levels, data
+                    for line in range(0, type_size, 64):
+                        at = builder.add(offset, ir.Constant(i64, PREFETCH_BYTES + line))
+                        flags = (ir.Constant(_I32, v) for v in (0, 3, 1))
+                        builder.call(prefetch, [builder.gep(row, [at]), *flags])
                     for chunk in unpack_block(e, builder.gep(row, [offset]), first):
                         e.accumulate(i, chunk)
             for i in range(n_rows):
