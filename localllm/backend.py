@@ -127,26 +127,31 @@ class CPUBackend:
 
     def _integer_matvecs(self, x: np.ndarray, weights, outs) -> tuple:
         """linear_many for one token: x quantized to int8 once per super-block size, then
-        integer dot products on the raw blocks (a type without an integer kernel: the float one)."""
-        quantized = {}
+        integer dot products on the raw blocks, one kernel call for all weights of a type (a
+        type without an integer kernel: the float one)."""
+        by_type: dict[int, tuple[list, list]] = {}
         for w, out in zip(weights, outs, strict=True):
             ggml_type = w.qtype.ggml_type
-            if ggml_type not in intdot.MATVEC:
+            if ggml_type in intdot.MATVEC:
+                raws, targets = by_type.setdefault(ggml_type, ([], []))
+                raws.append(w.raw)
+                targets.append(out)
+            else:
                 kind = VEC_DOT_TYPES[ggml_type]
                 xr = round_activations(x[None], kind, np.empty((1, x.shape[0]), np.float32))
                 w.qtype.matvec(w.raw, xr[0], out[0])
-                continue
+        quantized = {}
+        for ggml_type, (raws, targets) in by_type.items():
             super_block = intdot.SUPER_BLOCK[ggml_type]
             xq = quantized.get(super_block)
             if xq is None:
-                xq = self._quantized.get((super_block, x.shape[0]))
+                key = (super_block, x.shape[0])
+                xq = self._quantized.get(key)
                 if xq is None:
-                    xq = self._quantized[(super_block, x.shape[0])] = intdot.activation_buffers(
-                        1, x.shape[0]
-                    )
+                    xq = self._quantized[key] = intdot.activation_buffers(1, x.shape[0])
                 intdot.quantize_q8(x[None], super_block, *xq)
                 quantized[super_block] = xq
-            intdot.MATVEC[ggml_type](w.raw, *xq, out)
+            intdot.MATVEC[ggml_type](tuple(raws), *xq, tuple(targets))
         return tuple(outs)
 
     def embed(self, w: QuantWeight, token_ids: np.ndarray, out: np.ndarray) -> np.ndarray:

@@ -73,7 +73,7 @@ def test_matvec_matches_reference(name, n_rows):
     xq = quantized(x, ggml_type)
     expected = reference(raw, ggml_type, x, xq)
     out = np.full((1, n_rows), np.nan, np.float32)
-    intdot.MATVEC[ggml_type](raw, *xq, out)
+    intdot.MATVEC[ggml_type]((raw,), *xq, (out,))
     np.testing.assert_allclose(out, expected, rtol=0, atol=2e-6 * np.abs(expected).max())
 
 
@@ -88,12 +88,28 @@ def test_integer_and_float_kernels_agree(name):
     x = rng.standard_normal((1, 4 * 256)).astype(np.float32)
     xq = quantized(x, ggml_type)
     ours = np.empty(64, np.float32)
-    intdot.MATVEC[ggml_type](raw, *xq, ours[None])
+    intdot.MATVEC[ggml_type]((raw,), *xq, (ours[None],))
     theirs = np.empty(64, np.float32)
     qt.matvec(raw, round_activations(x, VEC_DOT_TYPES[ggml_type], np.empty_like(x))[0], theirs)
     # equal up to float summation order, and the f16 block sums of Q8_1
     tol = 2e-3 if name in ASYMMETRIC_LEGACY else 2e-5
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=tol * np.abs(theirs).max())
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_0"])
+def test_matvec_of_several_weights(name):
+    """Q/K/V or gate/up in one call: each output equals its own single-weight call."""
+    ggml_type = TYPES[name]
+    rng = np.random.default_rng(7)
+    n_cols = 512
+    raws = tuple(read_only(random_weights(name, n, n_cols, rng)) for n in (5, 37, 4))
+    xq = quantized(rng.standard_normal((1, n_cols)).astype(np.float32), ggml_type)
+    together = tuple(np.full((1, raw.shape[0]), np.nan, np.float32) for raw in raws)
+    intdot.MATVEC[ggml_type](raws, *xq, together)
+    for raw, out in zip(raws, together):
+        alone = np.full((1, raw.shape[0]), np.nan, np.float32)
+        intdot.MATVEC[ggml_type]((raw,), *xq, (alone,))
+        np.testing.assert_array_equal(out, alone)
 
 
 HASWELL = (

@@ -6,7 +6,7 @@ that is done with `vpdpbusd` (unsigned x signed bytes, four products summed per 
 the GGUF blocks exactly as they sit in the memory map: no repacking, no copy.
 
     quantize_q8(x, SUPER_BLOCK[ggml_type], *xq)   # xq = activation_buffers(1, n_cols)
-    MATVEC[ggml_type](w, *xq, out)                # w: uint8[n_rows, row_bytes], out: [1, n_rows]
+    MATVEC[ggml_type]((w,), *xq, (out,))          # w: uint8[n_rows, row_bytes], out: [1, n_rows]
 
 The dot products are LLVM IR written with llvmlite and called from Numba as an intrinsic
 (`_rows`), four weight rows at a time so that they share the activation loads, with a software
@@ -523,12 +523,22 @@ SUPER_BLOCK = {2: 32, 3: 32, 6: 32, 7: 32, 8: 32, 10: 256, 11: 256, 12: 256, 13:
 
 
 def _matvec(ggml_type: int, name: str):
-    def matvec(w, xq, xd, xs, xl, out):
-        """out[0, :] = w @ x[0] for one token: xq int8[1, n_cols], xd/xs float32[1, n_cols //
-        32], xl int32[1, n_cols // 4] (see quantize_q8); out float32[1, n_rows]."""
-        n_rows = w.shape[0]
-        for g in prange((n_rows + ROWS - 1) // ROWS):
-            r0 = g * ROWS
+    def matvec(ws, xq, xd, xs, xl, outs):
+        """outs[i][0, :] = ws[i] @ x[0] for one token and a tuple of weights of this type that
+        share the input (Q/K/V, gate/up): one parallel region for all their rows.
+        xq int8[1, n_cols], xd/xs float32[1, n_cols // 32], xl int32[1, n_cols // 4] (see
+        quantize_q8); ws[i]: uint8[n_rows_i, row_bytes]; outs[i]: float32[1, n_rows_i]."""
+        bounds = np.empty(len(ws) + 1, np.int64)  # the row groups of ws[i]: bounds[i]..[i + 1]
+        bounds[0] = 0
+        for i in range(len(ws)):
+            bounds[i + 1] = bounds[i] + (ws[i].shape[0] + ROWS - 1) // ROWS
+        for g in prange(bounds[len(ws)]):
+            i = 0
+            while g >= bounds[i + 1]:
+                i += 1
+            w, out = ws[i], outs[i]
+            n_rows = w.shape[0]
+            r0 = (g - bounds[i]) * ROWS
             if r0 + ROWS <= n_rows:
                 _rows(ggml_type, ROWS, w, r0, xq, xd, xs, xl, out)
             else:
@@ -539,5 +549,5 @@ def _matvec(ggml_type: int, name: str):
     return njit(parallel=True, cache=True)(matvec)
 
 
-# GGML type id -> matvec(w, xq, xd, xs, xl, out)
+# GGML type id -> matvec(ws, xq, xd, xs, xl, outs), ws and outs tuples of arrays
 MATVEC = {ggml_type: _matvec(ggml_type, f"ggml_type_{ggml_type}") for ggml_type in _BLOCKS}
