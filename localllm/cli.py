@@ -136,8 +136,7 @@ def resolve_model(name: str) -> tuple[Path, str]:
     A path is used as it is (not registered in the store); a missing name is pulled, with a
     progress bar on stderr, as `localllm pull` would.
     """
-    from localllm.pull import is_path, pull, rich_progress
-    from localllm.store import Store
+    from localllm.store import Store, is_path
 
     if is_path(name):
         path = Path(name).expanduser()
@@ -153,6 +152,8 @@ def resolve_model(name: str) -> tuple[Path, str]:
                     f"the file of {known.name} ({known.path}) is missing; "
                     f"pull it again, or forget it with `localllm rm {known.name}`"
                 )
+        from localllm.pull import pull, rich_progress  # httpx, huggingface_hub: only to pull
+
         _stderr(f"{name} is not installed; pulling it")
         with rich_progress(f"pulling {store.canonical_name(name)}") as progress:
             installed = pull(name, store, progress, status=_stderr)
@@ -398,8 +399,7 @@ def show(
     """
     from localllm.chat import describe_model, format_count, printable
     from localllm.gguf import read_gguf
-    from localllm.pull import is_path
-    from localllm.store import Store, detect_quant, format_bytes
+    from localllm.store import Store, detect_quant, format_bytes, is_path
 
     if is_path(model):
         path, label = resolve_model(model)

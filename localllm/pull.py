@@ -52,6 +52,7 @@ from localllm.store import (
     WheelPart,
     check_gguf,
     format_bytes,
+    is_path,
     quant_from_file_name,
     validate_remote_file,
 )
@@ -80,12 +81,6 @@ def wheel_cache_dir() -> Path:
     """Where downloaded wheels are kept (shared with scripts/fetch-test-models)."""
     default = Path.home() / ".cache" / "localllm" / "wheels"
     return Path(os.environ.get("LOCALLLM_WHEEL_CACHE") or default)
-
-
-def is_path(name_or_path: str) -> bool:
-    """Whether a `pull`/`run` argument means a local file rather than a model name."""
-    looks_like_path = name_or_path.startswith(("/", "./", "../", "~", ".\\"))
-    return looks_like_path or name_or_path.lower().endswith(".gguf")
 
 
 def resolve_or_pull(

@@ -110,8 +110,7 @@ class ModelPool:
         """The model a request names, or None (-> 404)."""
         if self._fixed is not None:
             return self._fixed.get(name)
-        from localllm.pull import is_path
-        from localllm.store import Store
+        from localllm.store import Store, is_path
 
         if not isinstance(name, str) or is_path(name):
             return None
@@ -178,8 +177,7 @@ class ModelPool:
 
 def _resolve_spec(spec: str) -> ServedModel:
     """An operator's --model argument: a .gguf path, or the name of an installed model."""
-    from localllm.pull import is_path
-    from localllm.store import Store
+    from localllm.store import Store, is_path
 
     if is_path(spec):
         path = Path(spec).expanduser()

@@ -59,6 +59,12 @@ _QUANT_IN_NAME_RE = re.compile(
 )
 
 
+def is_path(name_or_path: str) -> bool:
+    """Whether a `pull`/`run` argument means a local file rather than a model name."""
+    looks_like_path = name_or_path.startswith(("/", "./", "../", "~", ".\\"))
+    return looks_like_path or name_or_path.lower().endswith(".gguf")
+
+
 def validate_name(name: str) -> str:
     """Return `name` if it is a safe model name (`NAME[:TAG]`, `/` between segments), else raise."""
     # The limit is on the quoted form, which becomes a file name (at most 255 bytes anywhere).
