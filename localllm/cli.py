@@ -290,7 +290,8 @@ def _one_shot(
     if verbose:
         from localllm.chat import format_stats
 
-        _stderr(format_stats(final, model.load_seconds, time.perf_counter() - start))
+        total = model.load_seconds + time.perf_counter() - start  # Ollama's total includes load
+        _stderr(format_stats(final, model.load_seconds, total))
 
 
 def _chat(model, label: str, system: str | None, raw: bool, options, verbose: bool) -> None:

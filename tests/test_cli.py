@@ -134,6 +134,12 @@ def test_system_prompt_threads_and_verbose_stats(smollm):
     assert re.search(r"^eval rate: +[\d.]+ tokens/s$", result.stderr, re.M)
     assert "duration" not in result.stdout
 
+    def seconds(field: str) -> float:  # "1.234s" or "123.45ms"
+        value = re.search(rf"^{field}: +([\d.]+)(m?s)$", result.stderr, re.M)
+        return float(value[1]) / (1000 if value[2] == "ms" else 1)
+
+    assert seconds("total duration") >= seconds("load duration")  # as Ollama: total includes load
+
 
 def test_python_dash_m_localllm_runs_the_cli():
     result = localllm("list")
