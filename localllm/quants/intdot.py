@@ -101,17 +101,9 @@ class _Emitter:
         return self.b.load(self.b.bitcast(self.b.gep(base, [offset]), ty.as_pointer()), align=1)
 
     def f16(self, block, offset):
-        """A half at block + offset as float (put in a zeroed vector first: a scalar half load
-        would merge into a live register and chain the blocks together)."""
-        h = self.b.insert_element(
-            ir.Constant(ir.VectorType(_I16, 8), None),
-            self.load(block, offset, _I16),
-            ir.Constant(_I32, 0),
-        )
-        halves = self.b.fpext(
-            self.b.bitcast(h, ir.VectorType(ir.HalfType(), 8)), ir.VectorType(_F32, 8)
-        )
-        return self.b.extract_element(halves, ir.Constant(_I32, 0))
+        """The IEEE half at block + offset as float (vcvtph2ps)."""
+        half = self.b.bitcast(self.load(block, offset, _I16), ir.HalfType())
+        return self.b.fpext(half, _F32)
 
     def byte(self, block, offset):
         """An unsigned byte of the block as i32."""
