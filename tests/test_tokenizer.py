@@ -11,6 +11,7 @@ from conftest import MODEL_NAMES, model_path, reference
 
 from localllm.errors import LocalLLMError
 from localllm.gguf import read_gguf
+from localllm.models import load_model
 from localllm.tokenizer import (
     TOKEN_BYTE,
     TOKEN_CONTROL,
@@ -18,6 +19,7 @@ from localllm.tokenizer import (
     TOKEN_USER_DEFINED,
     StreamDecoder,
     Tokenizer,
+    TokenTexts,
     _field_bytes,
     _field_varint,
     _sentencepiece_pieces,
@@ -302,3 +304,29 @@ def test_unsupported_tokenizers_are_clear_errors():
     duplicated["tokenizer.ggml.tokens"] = [*duplicated["tokenizer.ggml.tokens"][:-1], "ab"]
     with pytest.raises(LocalLLMError, match="duplicate"):
         Tokenizer.from_metadata(duplicated)
+
+
+def test_token_texts_compact_sequence():
+    texts = ["a", "▁the", "", "日本語", "<|im_end|>"]
+    compact = TokenTexts(texts)
+    assert len(compact) == 5
+    assert list(compact) == texts
+    assert compact[3] == "日本語" and compact[-1] == "<|im_end|>" and compact[2] == ""
+    assert compact[1:3] == ["▁the", ""]
+    assert "<|im_end|>" in compact and "missing" not in compact
+    with pytest.raises(IndexError):
+        compact[5]
+
+
+def test_loaded_model_keeps_one_vocabulary():
+    """The metadata's token list is replaced by the tokenizer's compact texts, same contents."""
+    path = model_path("smollm2-135m")
+    with read_gguf(path) as gguf:
+        parsed = list(gguf.metadata["tokenizer.ggml.tokens"])
+    model = load_model(path, n_ctx=32)
+    try:
+        assert model.metadata["tokenizer.ggml.tokens"] is model.tokenizer.texts
+        assert isinstance(model.tokenizer.texts, TokenTexts)
+        assert list(model.tokenizer.texts) == parsed
+    finally:
+        model.close()

@@ -75,6 +75,9 @@ def load_model(
     gguf = read_gguf(path)
     try:
         tokenizer = Tokenizer.from_metadata(gguf.metadata)
+        # The vocabulary once: the tokenizer's compact texts stand in for the parsed list of str
+        # (~20 MB for a 262k vocabulary) wherever the metadata is read later (chat templates).
+        gguf.metadata["tokenizer.ggml.tokens"] = tokenizer.texts
         config = model_config(gguf.metadata, tokenizer.vocab_size)
         if n_ctx is None:
             n_ctx = min(config.n_ctx_train, DEFAULT_CTX)
