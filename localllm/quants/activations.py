@@ -74,38 +74,35 @@ def round_bf16(v):
 
 
 @njit(cache=True)
-def _q8_0_rows(x, out, with_f16_scale):
-    n_tokens, n_cols = x.shape
-    for t in range(n_tokens):
-        for b in range(n_cols // 32):
-            amax = np.float32(0.0)
-            for j in range(b * 32, b * 32 + 32):
-                amax = max(amax, abs(x[t, j]))
-            d = round_f16(amax / np.float32(127.0)) if with_f16_scale else amax / np.float32(127.0)
-            inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
-            for j in range(b * 32, b * 32 + 32):
-                out[t, j] = d * np.float32(np.rint(x[t, j] * inv))
+def q8_scale(block):
+    """(d, inv, d_raw) of one activation block as ggml quantizes it: quant = min(127,
+    rint(x * inv)) stands for d * quant. block: float32[32] -> Q8_0/Q8_1, scaled by 127/amax, d
+    stored as f16 (d_raw: before that rounding); float32[256] -> Q8_K, scaled by -127/max (the
+    value of largest magnitude), d = 1/iscale kept as float32. An all-zero block gives zeros."""
+    amax = np.float32(0.0)
+    vmax = np.float32(0.0)
+    for j in range(block.shape[0]):
+        if abs(block[j]) > amax:
+            amax = abs(block[j])
+            vmax = block[j]
+    if amax == 0:
+        return np.float32(0.0), np.float32(0.0), np.float32(0.0)
+    if block.shape[0] == 32:
+        d_raw = amax / np.float32(127.0)
+        return round_f16(d_raw), np.float32(127.0) / amax, d_raw
+    inv = np.float32(-127.0) / vmax
+    d = np.float32(1.0) / inv
+    return d, inv, d
 
 
 @njit(cache=True)
-def _q8_k_rows(x, out):
+def _q8_rows(x, out, super_block):
     n_tokens, n_cols = x.shape
     for t in range(n_tokens):
-        for b in range(n_cols // 256):
-            amax = np.float32(0.0)
-            vmax = np.float32(0.0)
-            for j in range(b * 256, b * 256 + 256):
-                if abs(x[t, j]) > amax:
-                    amax = abs(x[t, j])
-                    vmax = x[t, j]
-            if amax == 0:
-                for j in range(b * 256, b * 256 + 256):
-                    out[t, j] = 0.0
-                continue
-            iscale = np.float32(-127.0) / vmax
-            d = np.float32(1.0) / iscale
-            for j in range(b * 256, b * 256 + 256):
-                out[t, j] = d * np.float32(min(127.0, np.rint(iscale * x[t, j])))
+        for lo in range(0, n_cols, super_block):
+            d, inv, _ = q8_scale(x[t, lo : lo + super_block])
+            for j in range(lo, lo + super_block):
+                out[t, j] = d * np.float32(min(np.float32(127.0), np.rint(x[t, j] * inv)))
 
 
 @njit(parallel=True, cache=True)
@@ -122,9 +119,9 @@ def round_activations(x: np.ndarray, kind: str, out: np.ndarray) -> np.ndarray:
         out[:] = x
     elif kind in (Q8_0, Q8_1):
         # Q8_1 differs from Q8_0 only in also storing d * sum(q), which a kernel can recompute.
-        _q8_0_rows(x, out, True)
+        _q8_rows(x, out, 32)
     elif kind == Q8_K:
-        _q8_k_rows(x, out)
+        _q8_rows(x, out, 256)
     elif kind in (F16, BF16):
         _round_each(x, out, kind == BF16)
     else:

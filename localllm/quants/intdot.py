@@ -42,7 +42,7 @@ from numba.core import cgutils
 from numba.core import config as numba_config
 from numba.extending import intrinsic
 
-from .activations import round_f16
+from .activations import Q8_K, VEC_DOT_TYPES, q8_scale, round_f16
 
 
 def _target_features() -> set[str]:
@@ -465,20 +465,7 @@ def quantize_q8(x, super_block, xq, xd, xs, xl):
     for t in range(n_tokens):
         for s in range(n_cols // super_block):
             lo, hi = s * super_block, (s + 1) * super_block
-            amax = np.float32(0.0)
-            vmax = np.float32(0.0)
-            for j in range(lo, hi):
-                if abs(x[t, j]) > amax:
-                    amax = abs(x[t, j])
-                    vmax = x[t, j]
-            if super_block == 32:
-                d_raw = amax / np.float32(127.0)
-                d = round_f16(d_raw)
-                inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
-            else:
-                inv = np.float32(-127.0) / vmax if amax != 0 else np.float32(0.0)
-                d = np.float32(1.0) / inv if amax != 0 else np.float32(0.0)
-                d_raw = d
+            d, inv, d_raw = q8_scale(x[t, lo:hi])
             for j in range(lo, hi):
                 xq[t, j] = np.int8(min(np.float32(127.0), np.rint(x[t, j] * inv)))
             for c in range(lo // 32, hi // 32):
@@ -510,8 +497,8 @@ def activation_buffers(n_tokens: int, n_cols: int) -> tuple:
 # code). They are made by a factory; each gets its own __qualname__, which is what Numba's
 # on-disk cache files are named after, so that the types do not share one cache entry.
 
-# activation super-block (Q8_0/Q8_1: 32, Q8_K: 256) per GGML type id
-SUPER_BLOCK = {2: 32, 3: 32, 6: 32, 7: 32, 8: 32, 10: 256, 11: 256, 12: 256, 13: 256, 14: 256}
+# activation super-block per GGML type id: Q8_K quantizes 256 columns at a time, Q8_0/Q8_1 32
+SUPER_BLOCK = {t: 256 if VEC_DOT_TYPES[t] == Q8_K else 32 for t in _BLOCKS}
 
 
 def _matvec(ggml_type: int, name: str):
