@@ -107,11 +107,16 @@ class CPUBackend:
 
     def linear_many(self, x: np.ndarray, weights, outs) -> tuple:
         """outs[i] = x @ weights[i].T for weights sharing one input (Q/K/V, gate/up): x is
-        rounded once per activation type rather than once per matrix."""
+        rounded once per activation type rather than once per matrix. One token with integer
+        kernels (`integer_decode`) takes ggml's integer dot products (`_integer_matvecs`); the
+        other weights, and batches, the float kernels on rounded activations."""
+        pairs = list(zip(weights, outs, strict=True))
         if x.shape[0] == 1 and self.integer_decode:
-            return self._integer_matvecs(x[0], weights, outs)
+            integer = [(w, out) for w, out in pairs if w.qtype.ggml_type in intdot.MATVEC]
+            self._integer_matvecs(x[0], integer)
+            pairs = [(w, out) for w, out in pairs if w.qtype.ggml_type not in intdot.MATVEC]
         rounded = {}
-        for w, out in zip(weights, outs, strict=True):
+        for w, out in pairs:
             kind = VEC_DOT_TYPES[w.qtype.ggml_type] if self.llama_cpp_rounding else "none"
             xr = rounded.get(kind)
             if xr is None:
@@ -125,21 +130,14 @@ class CPUBackend:
                 w.qtype.matmul(w.raw, xr, out)
         return tuple(outs)
 
-    def _integer_matvecs(self, x: np.ndarray, weights, outs) -> tuple:
-        """linear_many for one token: x quantized to int8 once per super-block size, then
-        integer dot products on the raw blocks, one kernel call for all weights of a type (a
-        type without an integer kernel: the float one)."""
+    def _integer_matvecs(self, x: np.ndarray, pairs) -> None:
+        """out = w @ x for (w, out) pairs of one token, x: float32[n_cols]: x quantized to int8
+        once per super-block size, one kernel call for all the weights of a type."""
         by_type: dict[int, tuple[list, list]] = {}
-        for w, out in zip(weights, outs, strict=True):
-            ggml_type = w.qtype.ggml_type
-            if ggml_type in intdot.MATVEC:
-                raws, targets = by_type.setdefault(ggml_type, ([], []))
-                raws.append(w.raw)
-                targets.append(out)
-            else:
-                kind = VEC_DOT_TYPES[ggml_type]
-                xr = round_activations(x[None], kind, np.empty((1, x.shape[0]), np.float32))
-                w.qtype.matvec(w.raw, xr[0], out[0])
+        for w, out in pairs:
+            raws, targets = by_type.setdefault(w.qtype.ggml_type, ([], []))
+            raws.append(w.raw)
+            targets.append(out)
         quantized = {}
         for ggml_type, (raws, targets) in by_type.items():
             super_block = intdot.SUPER_BLOCK[ggml_type]
@@ -152,7 +150,6 @@ class CPUBackend:
                 intdot.quantize_q8(x[None], super_block, *xq)
                 quantized[super_block] = xq
             intdot.MATVEC[ggml_type](tuple(raws), *xq, tuple(targets))
-        return tuple(outs)
 
     def embed(self, w: QuantWeight, token_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out = rows token_ids of the embedding matrix: float32[n_tokens, n_cols].
