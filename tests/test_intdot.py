@@ -126,7 +126,15 @@ TARGETS = {  # instruction set: (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES)
 }
 
 
+def skip_unless_host_runs(instruction_set) -> None:
+    """Code compiled for a target this CPU lacks a feature of dies with SIGILL: skip instead."""
+    missing = {f[1:] for f in TARGETS[instruction_set][1].split(",")} - intdot.host_features()
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(sorted(missing))}, which the target needs")
+
+
 def run_for_target(instruction_set, tmp_path: Path, *args: str) -> str:
+    skip_unless_host_runs(instruction_set)
     cpu_name, features = TARGETS[instruction_set]
     env = dict(
         os.environ,
@@ -168,3 +176,41 @@ def test_no_simd_falls_back_to_float_kernels(tmp_path):
         "print(intdot.INSTRUCTION_SET, CPUBackend(1).integer_decode)"
     )
     assert run_for_target(None, tmp_path, "-c", code).split() == ["None", "False"]
+
+
+ZEN4 = {"avx2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vnni"}  # no AVX-VNNI
+
+
+@pytest.mark.parametrize(
+    "features, expected",
+    [
+        (ZEN4, "vnni"),  # EVEX vpdpbusd on 256-bit vectors
+        (ZEN4 - {"avx512vl"}, "avx2"),  # no 256-bit EVEX form without VL
+        ({"avx2", "f16c", "avxvnni"}, "vnni"),  # Alder Lake: VEX vpdpbusd
+        ({"avx2", "f16c"}, "avx2"),
+        ({"avx2"}, None),  # the kernels convert halves with F16C
+        ({"sse4.2", "avxvnni"}, "vnni"),
+        (set(), None),
+    ],
+)
+def test_instruction_set_from_exact_flags(features, expected):
+    assert intdot.choose_instruction_set(features, features) == expected
+
+
+def test_instruction_set_never_beyond_this_cpu():
+    """A target that claims what the CPU lacks (AVX-VNNI on a Zen 4) gets only what both have."""
+    assert intdot.choose_instruction_set(ZEN4 | {"avxvnni"}, ZEN4 - {"avx512vl"}) == "avx2"
+    assert intdot.choose_instruction_set({"avx2", "f16c", "avxvnni"}, {"sse2"}) is None
+    host = intdot.host_features()
+    assert intdot.choose_instruction_set(host, host) == intdot.INSTRUCTION_SET or (
+        os.environ.get("NUMBA_CPU_FEATURES") is not None
+    )
+
+
+def test_targets_this_cpu_cannot_run_are_skipped(monkeypatch, tmp_path):
+    """On a Zen 4 (AVX-512 VNNI, no AVX-VNNI) the alderlake target must skip, not SIGILL."""
+    zen4 = {f[1:] for f in HASWELL.split(",")} | ZEN4
+    monkeypatch.setattr(intdot, "host_features", lambda: zen4)
+    with pytest.raises(pytest.skip.Exception, match="avxvnni"):
+        run_for_target("vnni", tmp_path, "-c", "raise SystemExit(1)")
+    skip_unless_host_runs("avx2")  # haswell's features are all there: no skip

@@ -22,11 +22,12 @@ flipping the sign bit, Q6_K: 32): `init = -o * xl` subtracts o * (sum of the 4 a
 lane in integers, from `xl`, computed once per activation row. The asymmetric types (w = d * u + m)
 add m * xs per block instead, xs = d_x * sum(q_x) of the block.
 
-`INSTRUCTION_SET` is chosen from the CPU features Numba compiles for: "vnni" (vpdpbusd, AVX-512
-VNNI+VL or the VEX-coded AVX-VNNI), "avx2" (vpmaddubsw + vpmaddwd, with ggml's sign trick for
-Q8_0's full int8 range), or None, where `AVAILABLE` is False and the float kernels in
-legacy.py/kquants.py run instead (any CPU Numba supports). The tests run all three, the first
-two against a float64 reference and the float kernels, by compiling for older targets.
+`INSTRUCTION_SET` is chosen from the CPU features Numba compiles for that this CPU also has
+(cpuid): "vnni" (vpdpbusd, AVX-512 VNNI+VL or the VEX-coded AVX-VNNI), "avx2" (vpmaddubsw +
+vpmaddwd, with ggml's sign trick for Q8_0's full int8 range), or None, where `AVAILABLE` is
+False and the float kernels in legacy.py/kquants.py run instead (any CPU Numba supports). The
+tests run all three, the first two against a float64 reference and the float kernels, by
+compiling for older targets (each where this CPU can execute it).
 Decode (one token) runs here; prefill stays on the float kernels: a 4-row x 4-token VNNI tile
 measured ~50 G MAC/s against ~100 G for the float tiles, which unpack a block once and then
 multiply-add 16 floats per instruction.
@@ -45,16 +46,24 @@ from numba.extending import intrinsic
 from .activations import Q8_K, VEC_DOT_TYPES, q8_scale, round_f16
 
 
+def host_features() -> set[str]:
+    """The features this CPU has, as LLVM reads them from cpuid (e.g. "avx512vnni", "avxvnni")."""
+    return {name for name, present in llvm.get_host_cpu_features().items() if present}
+
+
 def _target_features() -> set[str]:
     """The CPU features Numba compiles for: $NUMBA_CPU_FEATURES if set, else the host's."""
     if numba_config.CPU_FEATURES is not None:
         return {f[1:] for f in numba_config.CPU_FEATURES.split(",") if f.startswith("+")}
-    return {name for name, present in llvm.get_host_cpu_features().items() if present}
+    return host_features()
 
 
 def _instruction_set(features: set[str]) -> str | None:
     """ "vnni": vpdpbusd (AVX-512 VNNI with VL, or the VEX-coded AVX-VNNI); "avx2": vpmaddubsw +
-    vpmaddwd, ggml's AVX2 way; None: neither, the float kernels run instead."""
+    vpmaddwd, ggml's AVX2 way; None: neither, the float kernels run instead.
+
+    Exact cpuid flags, never a CPU family: Zen 4 has AVX-512 VNNI but not AVX-VNNI, Alder Lake
+    the reverse, and the 256-bit vpdpbusd exists in either encoding only with its own flag."""
     if {"avx512vnni", "avx512vl"} <= features or "avxvnni" in features:
         return "vnni"
     if {"avx2", "f16c"} <= features:
@@ -62,7 +71,14 @@ def _instruction_set(features: set[str]) -> str | None:
     return None
 
 
-INSTRUCTION_SET = _instruction_set(_target_features())
+def choose_instruction_set(target: set[str], host: set[str]) -> str | None:
+    """The instruction set for code compiled for `target` that runs on `host`: only what both
+    have, so that a target that claims more than this CPU has ($NUMBA_CPU_FEATURES) never makes
+    the kernels execute an instruction the CPU lacks (SIGILL)."""
+    return _instruction_set(target & host)
+
+
+INSTRUCTION_SET = choose_instruction_set(_target_features(), host_features())
 AVAILABLE = INSTRUCTION_SET is not None
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
