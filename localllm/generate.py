@@ -37,26 +37,34 @@ class GenerationResponse:
     logits: np.ndarray | None = None  # float32[vocab], the distribution the token came from
 
 
-@contextmanager
-def _interrupts_between_steps() -> Iterator[Callable[[], None]]:
-    """Ctrl-C only sets a flag; the returned check raises KeyboardInterrupt between steps.
+class Cancelled(Exception):
+    """The caller's `should_stop()` turned true: the generation was abandoned (a client left)."""
 
-    Python's own handler raises KeyboardInterrupt wherever the interpreter next checks for
-    signals, and that can be inside a Numba kernel call, which then fails ("returned a result
-    with an exception set") or leaves native code in a bad state. Deferring the interrupt to the
-    next step boundary stops generation just as promptly, and cleanly. Only the main thread can
-    own signal handlers; elsewhere (the server's engine thread) this does nothing.
+
+@contextmanager
+def _interruptions(should_stop: Callable[[], bool] | None) -> Iterator[Callable[[], None]]:
+    """A check, called between steps and between the layers of a long prompt, that raises
+    KeyboardInterrupt after Ctrl-C and Cancelled once `should_stop()` is true.
+
+    Ctrl-C only sets a flag. Python's own handler raises KeyboardInterrupt wherever the
+    interpreter next checks for signals, and that can be inside a Numba kernel call, which then
+    fails ("returned a result with an exception set") or leaves native code in a bad state.
+    Checking the flag before every layer stops a 2,000-token prompt within one layer's work
+    instead of after the whole prefill, and cleanly. Only the main thread can own signal
+    handlers; elsewhere (the server's engine thread) only `should_stop` is checked.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: None
-        return
     received: list[int] = []
 
     def check() -> None:
         if received:
             received.clear()
             raise KeyboardInterrupt
+        if should_stop is not None and should_stop():
+            raise Cancelled("the generation was cancelled")
 
+    if threading.current_thread() is not threading.main_thread():
+        yield check
+        return
     previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
     try:
         yield check
@@ -70,11 +78,13 @@ def generate_step(
     sampler: Sampler,
     logits_processors: Sequence[LogitsProcessor] = (),
     cache: KVCache | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[tuple[int, np.ndarray]]:
     """Yield (token, logits) forever, or until the context is full.
 
     The prompt is prefilled in chunks; the part of it already in the KV cache (the conversation so
-    far, in a chat) is not computed again.
+    far, in a chat) is not computed again. Ctrl-C raises KeyboardInterrupt, and `should_stop()`
+    turning true raises Cancelled, within one layer of work, even in the middle of a long prompt.
     """
     transformer = model.transformer
     cache = transformer.cache if cache is None else cache
@@ -87,11 +97,11 @@ def generate_step(
             f"{cache.n_ctx}; use a larger -c/--ctx-size or a shorter prompt"
         )
     n_reused = cache.reusable_prefix(prompt_ids)
-    with _interrupts_between_steps() as check_interrupt:
-        logits = transformer.forward(prompt_ids[n_reused:], n_reused, cache=cache)
+    with _interruptions(should_stop) as check:
+        logits = transformer.forward(prompt_ids[n_reused:], n_reused, cache=cache, interrupt=check)
         history = prompt_ids
         while True:
-            check_interrupt()
+            check()
             for process in logits_processors:
                 logits = process(history, logits)
             token = sampler(logits)
@@ -99,8 +109,7 @@ def generate_step(
             history.append(token)
             if cache.n_past >= cache.n_ctx:
                 return
-            check_interrupt()
-            logits = transformer.forward([token], cache.n_past, cache=cache)
+            logits = transformer.forward([token], cache.n_past, cache=cache, interrupt=check)
 
 
 def _stop_cut(text: str, stop: Sequence[str]) -> tuple[int, int]:
@@ -133,11 +142,13 @@ def stream_generate(
     add_special: bool = True,
     parse_special: bool = True,
     return_logits: bool = False,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate from a prompt (text, or token ids), yielding text as it becomes printable.
 
     Stops at an end-of-generation token ("stop"), a stop string ("stop"; the string is not
     emitted), max_tokens or a full context ("length"). The last response has a finish_reason.
+    Ctrl-C (KeyboardInterrupt) and `should_stop()` (Cancelled) stop it at once, prefill included.
     """
     tokenizer = model.tokenizer
     if isinstance(prompt, str):
@@ -174,7 +185,7 @@ def stream_generate(
     if max_tokens <= 0:
         yield response("", None, "length")
         return
-    steps = generate_step(model, prompt_ids, sampler, logits_processors, cache)
+    steps = generate_step(model, prompt_ids, sampler, logits_processors, cache, should_stop)
     finish, token, logits = "length", None, None
     stopped_by_string = False
     try:

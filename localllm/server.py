@@ -39,7 +39,7 @@ from localllm.generate import stream_generate
 from localllm.models import DEFAULT_CTX, Model, load_model
 from localllm.prompt import chat_prompt_ids, raw_prompt_ids
 from localllm.sampling import Sampler, make_logits_processors, make_sampler
-from localllm.server_engine import Engine, EngineBusy, Generation
+from localllm.server_engine import Engine, EngineBusy, Generation, cancel_check
 from localllm.server_schema import (
     APIError,
     ChatCompletionRequest,
@@ -238,6 +238,7 @@ def _steps(job: _Job) -> Iterator[_Step]:
         # else the server has run (the pages are only touched as positions fill).
         cache=model.transformer.new_cache(),
         return_logits=want_logprobs,
+        should_stop=cancel_check(),  # a client that leaves stops even a long prefill
     )
     with contextlib.closing(responses):
         for r in responses:

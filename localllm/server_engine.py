@@ -4,7 +4,8 @@ Calls on one Transformer must not overlap (they share its scratch buffers), and 
 threading layer must not be entered from two threads at once, so all model work — loading and
 every prefill or decode step of every request — happens on this one thread. Each active request
 advances by one step (one `next()` of its generator: a prefill, or one sampled token) per round,
-so concurrent requests interleave token by token, and a cancelled one stops within one step.
+so concurrent requests interleave token by token, and a cancelled one stops within one step; a
+long prefill checks `cancel_check()` between layers, so a client that leaves stops it at once.
 
 The event loop talks to the engine through `Generation`, an async iterator over one request's
 steps; dropping or cancelling it cancels the request.
@@ -21,6 +22,19 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 _END = object()  # emitted after a sequence's last item
+_stepping = threading.local()  # .seq: the Sequence the engine thread is advancing right now
+
+
+def cancel_check() -> Callable[[], bool]:
+    """Whether the sequence being stepped has been cancelled, as a check to call later.
+
+    Called inside a sequence's generator (on the engine thread), it binds to that sequence, so
+    that work within one step (the prefill of a long prompt) can stop as soon as the client
+    leaves instead of at the end of the step. Elsewhere it never says stop."""
+    seq = getattr(_stepping, "seq", None)
+    if seq is None:
+        return lambda: False
+    return lambda: seq.cancelled
 
 
 class EngineBusy(Exception):
@@ -164,6 +178,7 @@ class Engine:
         if seq.cancelled:
             seq.close()
             return True
+        _stepping.seq = seq
         try:
             if seq.steps is None:
                 seq.steps = seq.start()
@@ -172,10 +187,12 @@ class Engine:
             seq.close()
             seq.emit(_END)
             return True
-        except Exception as e:
+        except Exception as e:  # including generate.Cancelled, for a client that left
             seq.close()
             seq.emit(e)
             return True
+        finally:
+            _stepping.seq = None
         seq.emit(item)
         return False
 

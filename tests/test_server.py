@@ -38,7 +38,8 @@ HELLO = [{"role": "user", "content": "Say hello."}]
 def running_server(**kwargs) -> Iterator[tuple[str, object]]:
     """(base URL, app) of a server on a free loopback port, shut down afterwards."""
     kwargs.setdefault("models", [str(model_path("smollm2-135m"))])
-    app = create_app(n_ctx=N_CTX, device="cpu", **kwargs)
+    kwargs.setdefault("n_ctx", N_CTX)
+    app = create_app(device="cpu", **kwargs)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     sock.listen()
@@ -512,3 +513,32 @@ def test_engine_interleaves_and_cancels():
         engine.stop()
 
     asyncio.run(main())
+
+
+def test_a_client_that_leaves_stops_a_long_prefill():
+    """The prefill of a long prompt stops within a chunk once its client disconnects, instead
+    of running to its end while the engine serves nobody else (counted in chunks, not time)."""
+    with running_server(n_ctx=2048, parallel=1) as (url, app):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        chat(client, max_tokens=1)  # loads the model
+        model = app.state.localllm.pool._loaded[MODEL_ID]
+        transformer = model.transformer
+        started, long_chunks = threading.Event(), []
+        run_chunk = transformer._forward_chunk
+
+        def counted(token_ids, *args):
+            if len(token_ids) == transformer.n_batch:  # a chunk of the long prompt
+                long_chunks.append(1)
+                started.set()
+            return run_chunk(token_ids, *args)
+
+        transformer._forward_chunk = counted
+        prompt = "the quick brown fox jumps over the lazy dog " * 200
+        n_chunks = len(model.tokenizer.encode(prompt)) // transformer.n_batch  # 28
+        body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 5, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60):
+            assert started.wait(60)
+        # With one slot, this waits until the engine has let go of the cancelled prefill.
+        assert chat(client, max_tokens=1).usage.completion_tokens == 1
+        transformer._forward_chunk = run_chunk
+        assert 1 <= len(long_chunks) < n_chunks // 2, (len(long_chunks), n_chunks)

@@ -8,6 +8,7 @@ allocated here, once; `forward` only fills them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,14 +141,21 @@ class Transformer:
         return KVCache(c.n_layers, n_ctx, c.n_kv_heads, c.head_dim, self.backend.zeros)
 
     def forward(
-        self, token_ids, start_pos: int, all_logits: bool = False, cache: KVCache | None = None
+        self,
+        token_ids,
+        start_pos: int,
+        all_logits: bool = False,
+        cache: KVCache | None = None,
+        interrupt: Callable[[], None] | None = None,
     ) -> np.ndarray:
         """Run tokens at positions start_pos.. through the model, filling the KV cache.
 
         Returns float32[vocab_size], the logits after the last token, or, with all_logits,
         float32[n_tokens, vocab_size] (used by tests; prefill skips the output head otherwise).
         `cache` defaults to the model's own; calls on one Transformer must not overlap, since
-        they share its scratch buffers.
+        they share its scratch buffers. `interrupt` is called before every layer of every chunk
+        and may raise to stop a long prompt at once (Ctrl-C, a client gone): the cache then holds
+        the chunks that were completed, and nothing of the one that was cut.
         """
         cache = self.cache if cache is None else cache
         token_ids = np.asarray(token_ids, dtype=np.int64)
@@ -172,7 +180,7 @@ class Transformer:
         for first in range(0, n_tokens, self.n_batch):
             chunk = token_ids[first : first + self.n_batch]
             last_chunk = first + len(chunk) == n_tokens
-            self._forward_chunk(chunk, start_pos + first, cache)
+            self._forward_chunk(chunk, start_pos + first, cache, interrupt)
             cache.tokens.extend(int(t) for t in chunk)
             if all_logits:
                 rows.append(self._logits(0, len(chunk)))
@@ -187,7 +195,9 @@ class Transformer:
         h = b.rmsnorm(s.x[first:end], self.output_norm, c.rms_eps, s.h[:n])
         return b.to_host(b.linear(h, self.output, s.logits[:n]))
 
-    def _forward_chunk(self, token_ids: np.ndarray, start_pos: int, cache: KVCache) -> None:
+    def _forward_chunk(
+        self, token_ids: np.ndarray, start_pos: int, cache: KVCache, interrupt=None
+    ) -> None:
         b, c, s = self.backend, self.config, self.scratch
         n = len(token_ids)
         x = b.embed(self.token_embd, token_ids, s.x[:n])
@@ -197,6 +207,8 @@ class Transformer:
         tables = {}
         attn_scale = c.attn_scale or 1.0 / math.sqrt(c.head_dim)
         for i, layer in enumerate(self.layers):
+            if interrupt is not None:
+                interrupt()
             window = c.window(i)
             key = (c.theta(i), window == 0)
             if key not in tables:
