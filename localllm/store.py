@@ -25,6 +25,8 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from urllib.parse import quote
 
@@ -40,7 +42,6 @@ else:  # pragma: no cover - Python 3.10 needs the tomli backport
 Progress = Callable[[int, "int | None"], None]
 """progress(done_bytes, total_bytes or None), called as bytes are downloaded or hashed."""
 
-CATALOG_PATH = Path(__file__).resolve().parent.parent / "models.toml"
 HF_PREFIX = "hf.co/"
 DEFAULT_QUANT = "Q4_K_M"
 GGUF_MAGIC = b"GGUF"
@@ -135,9 +136,14 @@ class Catalog:
         return self.entries.get(name)
 
 
-def load_catalog(path: Path | None = None) -> Catalog:
-    """Read and validate the catalog (default: models.toml at the repository root)."""
-    path = CATALOG_PATH if path is None else path
+def catalog_file() -> Traversable:
+    """The catalog shipped inside the package (package data: a wheel install has it too)."""
+    return resources.files("localllm") / "models.toml"
+
+
+def load_catalog(path: Path | Traversable | None = None) -> Catalog:
+    """Read and validate the catalog (default: the package's models.toml, see catalog_file)."""
+    path = catalog_file() if path is None else path
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:

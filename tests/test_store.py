@@ -279,3 +279,30 @@ def test_quant_detection(tmp_path):
 def test_quant_of_a_real_model():
     path = model_path("smollm2-135m")
     assert detect_quant(path) == "Q4_1"
+
+
+def test_the_catalog_is_package_data():
+    """A wheel install has no repository around it: the catalog lives inside the package."""
+    import localllm
+    from localllm.store import catalog_file
+
+    assert Path(str(catalog_file())).parent == Path(localllm.__file__).parent
+    assert load_catalog().get("smollm2:135m") is not None
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_the_catalog(tmp_path):
+    """`pip install .` (not -e) must ship models.toml; scripts/check-wheel (CI) then runs a
+    catalog model from such an install."""
+    import subprocess
+    import sys
+    import zipfile
+
+    repo = Path(__file__).resolve().parent.parent
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(repo)],
+        check=True,
+    )
+    (wheel,) = tmp_path.glob("localllm-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        assert "localllm/models.toml" in zf.namelist()
