@@ -7,7 +7,6 @@ map and dequantizes blocks on the fly inside Numba kernels.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numba
@@ -18,6 +17,7 @@ from localllm.errors import LocalLLMError
 from localllm.gguf import TensorInfo
 from localllm.quants import intdot
 from localllm.quants.activations import VEC_DOT_TYPES, round_activations
+from localllm.threads import ThreadTuner, physical_cores
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,9 @@ class QuantWeight:
 
 
 def default_threads() -> int:
-    """Threads when -t is not given: the cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    """Threads when -t is not given, at most: the physical cores this process may run on (an SMT
+    sibling shares its core's load and store units, which decode is bound by)."""
+    return physical_cores()
 
 
 class CPUBackend:
@@ -53,12 +51,18 @@ class CPUBackend:
         n = n_threads or default_threads()
         if n < 1:
             raise LocalLLMError(f"--threads must be at least 1, got {n}")
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-        self.n_threads = numba.get_num_threads()
+        self.n_threads = min(n, numba.config.NUMBA_NUM_THREADS)  # at most
+        # -t N runs on exactly N threads; the default measures how many help (see threads.py)
+        tune = n_threads is None
+        self.thread_tuner = ThreadTuner(self.n_threads, numba.set_num_threads, tune=tune)
         self._rounded: dict[tuple, np.ndarray] = {}  # rounded activations by (kind, shape)
         self._quantized: dict[tuple, tuple] = {}  # int8 activations by (super block, n_cols)
         # one token on an x86 CPU with AVX2 or VNNI: ggml's integer dot products (quants/intdot.py)
         self.integer_decode = llama_cpp_rounding and intdot.AVAILABLE
+
+    def step(self, n_tokens: int):
+        """A context for one forward chunk of n_tokens: it runs on the threads chosen for it."""
+        return self.thread_tuner.step(n_tokens)
 
     # -- weights -------------------------------------------------------------------------
 

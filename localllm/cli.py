@@ -93,7 +93,14 @@ DEBUG = typer.Option(False, "--debug", help="Show tracebacks.", callback=_set_de
 CTX_SIZE = typer.Option(
     None, "-c", "--ctx-size", min=1, help="Context size in tokens [default: min(model's, 4096)]."
 )
-THREADS = typer.Option(None, "-t", "--threads", min=1, help="CPU threads [default: all cores].")
+THREADS = typer.Option(
+    None,
+    "-t",
+    "--threads",
+    min=1,
+    help="CPU threads, exactly [default: up to the physical cores, fewer while measuring shows "
+    "other processes keep them busy].",
+)
 DEVICE = typer.Option(Device.auto, "--device", help="Where to compute (auto: CUDA if usable).")
 
 

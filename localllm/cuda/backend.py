@@ -8,6 +8,7 @@ All launches go to the default stream, so they run in order; `to_host` waits for
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +69,10 @@ class CUDABackend:
         self._scores = None  # attention scratch, float32[jobs, keys], grown on demand
         # A decode step launches small grids by nature; numba-cuda would warn at each of them.
         cuda_config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
+
+    def step(self, n_tokens: int):
+        """A context for one forward chunk (the CPU backend picks its threads there)."""
+        return contextlib.nullcontext()
 
     # -- weights -------------------------------------------------------------------------
 

@@ -180,12 +180,13 @@ class Transformer:
         for first in range(0, n_tokens, self.n_batch):
             chunk = token_ids[first : first + self.n_batch]
             last_chunk = first + len(chunk) == n_tokens
-            self._forward_chunk(chunk, start_pos + first, cache, interrupt)
-            cache.tokens.extend(int(t) for t in chunk)
-            if all_logits:
-                rows.append(self._logits(0, len(chunk)))
-            elif last_chunk:
-                rows.append(self._logits(len(chunk) - 1, len(chunk))[0])
+            with self.backend.step(len(chunk)):  # the backend picks its threads per chunk
+                self._forward_chunk(chunk, start_pos + first, cache, interrupt)
+                cache.tokens.extend(int(t) for t in chunk)
+                if all_logits:
+                    rows.append(self._logits(0, len(chunk)))
+                elif last_chunk:
+                    rows.append(self._logits(len(chunk) - 1, len(chunk))[0])
         return np.concatenate(rows) if all_logits else rows[0]
 
     def _logits(self, first: int, end: int) -> np.ndarray:
