@@ -228,7 +228,7 @@ def run(
     Interactive when stdin and stdout are terminals and no PROMPT is given; otherwise one-shot,
     with only the reply on stdout. The model is pulled first if it is not installed.
     """
-    from localllm.chat import Options
+    from localllm.options import Options
 
     if raw and system is not None:
         raise typer.BadParameter("a system prompt needs the chat template", param_hint="--system")
@@ -260,7 +260,7 @@ def _prompt_text(prompt: str | None) -> str:
 def _one_shot(
     model, text: str, system: str | None, raw: bool, options, verbose: bool, truncate: bool
 ) -> None:
-    from localllm.chat import Conversation
+    from localllm.conversation import Conversation
 
     start = time.perf_counter()
     conversation = Conversation(model, system=system, raw=raw, options=options)
@@ -288,14 +288,15 @@ def _one_shot(
     if final.finish_reason == "length" and conversation.context_is_full():
         _stderr(f"Warning: the reply stopped because the context ({model.n_ctx} tokens) is full")
     if verbose:
-        from localllm.chat import format_stats
+        from localllm.describe import format_stats
 
         total = model.load_seconds + time.perf_counter() - start  # Ollama's total includes load
         _stderr(format_stats(final, model.load_seconds, total))
 
 
 def _chat(model, label: str, system: str | None, raw: bool, options, verbose: bool) -> None:
-    from localllm.chat import ChatSession, Conversation
+    from localllm.chat import ChatSession
+    from localllm.conversation import Conversation
 
     conversation = Conversation(model, system=system, raw=raw, options=options)
     ChatSession(conversation, label, verbose=verbose).run()
@@ -398,7 +399,7 @@ def show(
     Architecture, parameters (counted from the tensor shapes), context length, quantization,
     chat template and license.
     """
-    from localllm.chat import describe_model, format_count, printable
+    from localllm.describe import describe_model, format_count, printable
     from localllm.gguf import read_gguf
     from localllm.store import Store, detect_quant, format_bytes, is_path
 

@@ -12,10 +12,13 @@ from pathlib import Path
 import pytest
 from conftest import model_path
 
-from localllm.chat import ChatSession, ContextFull, Conversation, Options, format_stats
+from localllm.chat import ChatSession
+from localllm.conversation import ContextFull, Conversation
+from localllm.describe import format_stats
 from localllm.errors import LocalLLMError
 from localllm.generate import generate
 from localllm.models import load_model
+from localllm.options import Options
 from localllm.prompt import chat_prompt_ids
 
 ROOT = Path(__file__).resolve().parent.parent
