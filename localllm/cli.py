@@ -17,14 +17,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import datetime, timezone
 from enum import Enum
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from typer.core import TyperGroup
 
 from localllm.errors import LocalLLMError
 from localllm.sampling import DEFAULTS
+
+if TYPE_CHECKING:  # imported where used, so that `localllm list` starts fast
+    from localllm.store import InstalledModel, ModelFile, Store
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _DEBUG_KEY = "localllm.debug"
@@ -130,34 +132,19 @@ def _spinner(message: str) -> Iterator[None]:
 # Finding and loading models (also for serve and bench)
 
 
-def resolve_model(name: str) -> tuple[Path, str]:
-    """(GGUF path, display name) for a path, an installed name, or a name to pull first.
+def _pull_with_progress(name: str, store: Store) -> InstalledModel:
+    """Pull a model for `run` or `bench` with a progress bar on stderr, as `localllm pull` does."""
+    from localllm.pull import pull, rich_progress  # httpx, huggingface_hub: only to pull
 
-    A path is used as it is (not registered in the store); a missing name is pulled, with a
-    progress bar on stderr, as `localllm pull` would.
-    """
-    from localllm.store import Store, is_path
+    with rich_progress(f"pulling {store.canonical_name(name)}") as progress:
+        return pull(name, store, progress, status=_stderr)
 
-    if is_path(name):
-        path = Path(name).expanduser()
-        if not path.is_file():
-            raise LocalLLMError(f"model file {name} not found")
-        return path, path.name
-    store = Store()
-    installed = store.resolve(name)
-    if installed is None:
-        for known in store.list():
-            if known.name in (name, store.canonical_name(name)):
-                raise LocalLLMError(
-                    f"the file of {known.name} ({known.path}) is missing; "
-                    f"pull it again, or forget it with `localllm rm {known.name}`"
-                )
-        from localllm.pull import pull, rich_progress  # httpx, huggingface_hub: only to pull
 
-        _stderr(f"{name} is not installed; pulling it")
-        with rich_progress(f"pulling {store.canonical_name(name)}") as progress:
-            installed = pull(name, store, progress, status=_stderr)
-    return installed.path, installed.name
+def find_or_pull(name: str) -> ModelFile:
+    """The store.ModelFile for a path, an installed name, or a name pulled now."""
+    from localllm.store import find_model
+
+    return find_model(name, pull=_pull_with_progress, status=_stderr)
 
 
 def open_model(
@@ -169,10 +156,10 @@ def open_model(
     """
     from localllm.models import load_model
 
-    path, label = resolve_model(name)
-    with _spinner(f"loading {label}") if spinner else nullcontext():
-        model = load_model(path, n_ctx=ctx_size, n_threads=threads, device=device.value)
-    return model, label
+    found = find_or_pull(name)
+    with _spinner(f"loading {found.name}") if spinner else nullcontext():
+        model = load_model(found.path, n_ctx=ctx_size, n_threads=threads, device=device.value)
+    return model, found.name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,15 +388,10 @@ def show(
     """
     from localllm.describe import describe_model, format_count, printable
     from localllm.gguf import read_gguf
-    from localllm.store import Store, detect_quant, format_bytes, is_path
+    from localllm.store import detect_quant, find_model, format_bytes
 
-    if is_path(model):
-        path, label = resolve_model(model)
-    else:
-        installed = Store().resolve(model)
-        if installed is None:
-            raise LocalLLMError(f"model {model} is not installed; run `localllm pull {model}`")
-        path, label = installed.path, installed.name
+    found = find_model(model)  # never pulls
+    path, label = found.path, found.name
     with read_gguf(path) as gguf:
         info = describe_model(gguf, detect_quant(path))
     info = {"model": label, **info}
@@ -534,8 +516,10 @@ def bench(
     """Measure load time, prefill and decode tok/s, and peak RSS (like llama-bench)."""
     from localllm.bench import bench as run_bench
 
-    path, label = resolve_model(model)
-    result = run_bench(path, label, prompt_tokens, gen_tokens, repetitions, threads, device.value)
+    found = find_or_pull(model)
+    result = run_bench(
+        found.path, found.name, prompt_tokens, gen_tokens, repetitions, threads, device.value
+    )
     print(f"model        {result.model} ({result.device}, {result.threads} threads)")
     print(f"load         {result.load_s:.2f} s")
     print(f"prefill      {result.prefill_tok_s:.1f} tok/s  (pp{prompt_tokens})")

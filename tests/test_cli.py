@@ -411,3 +411,18 @@ def test_a_registered_file_that_vanished_is_reported(tmp_path):
     result = invoke("run", "tiny-copy", "Hi")
     assert result.exit_code == 1
     assert "is missing" in one_error_line(result.stderr)
+
+
+def test_finding_an_installed_model_does_not_import_the_download_stack(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(DATA)
+    Store().register_file(path)
+    code = (
+        "import sys; from localllm.cli import find_or_pull; found = find_or_pull('tiny'); "
+        "print(found.name, any(m in sys.modules for m in ('httpx2', 'huggingface_hub')))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["tiny", "False"]

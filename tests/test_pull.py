@@ -23,8 +23,8 @@ from gguf_writer import gguf_bytes
 
 from localllm import pull as pull_mod
 from localllm.errors import LocalLLMError
-from localllm.pull import HubUnreachable, pull, resolve_or_pull, rich_progress
-from localllm.store import Catalog, CatalogEntry, Store, WheelPart, load_catalog
+from localllm.pull import HubUnreachable, pull, rich_progress
+from localllm.store import Catalog, CatalogEntry, Store, WheelPart, find_model, load_catalog
 
 REPO = "tester/tiny-GGUF"
 FILE = "tiny-Q4_K_M.gguf"
@@ -321,7 +321,7 @@ def test_hostile_names_write_nothing_outside_the_store(hub, tmp_path):
         with pytest.raises(LocalLLMError):
             pull(name, store)
     with pytest.raises(LocalLLMError):
-        resolve_or_pull("a/../../b", store)
+        find_model("a/../../b", store, pull=pull)
     after = {p for p in tmp_path.rglob("*") if store.root not in p.parents and p != store.root}
     assert after == before
     assert store.list() == []
@@ -403,19 +403,23 @@ def test_a_local_file_is_registered_in_place(monkeypatch, tmp_path):
     model = pull("./Tiny-Q4_K_M.gguf", store)
     assert model.path == folder / "Tiny-Q4_K_M.gguf" and not model.in_store
     assert model.sha256 == SHA and model.name == "tiny-q4_k_m"
-    assert resolve_or_pull("Tiny-Q4_K_M.gguf", store) == model
+    assert find_model("Tiny-Q4_K_M.gguf", store).path == model.path  # used in place
     store.remove(model.name)
     assert (folder / "Tiny-Q4_K_M.gguf").exists()
     with pytest.raises(LocalLLMError, match="no such file"):
         pull("./missing.gguf", store)
 
 
-def test_resolve_or_pull_pulls_only_when_missing(hub):
+def test_find_model_pulls_only_when_missing(hub):
     store = make_store()
-    model = resolve_or_pull("tiny", store)
+    messages = []
+    found = find_model("tiny", store, pull=pull, status=messages.append)
+    assert found.name == "tiny:1m" and found.installed == store.resolve("tiny:1m")
+    assert found.path.read_bytes() == DATA
+    assert messages == ["tiny is not installed; pulling it"]
     n = len(hub.requests)
-    assert resolve_or_pull("tiny:1m", store) == model
-    assert len(hub.requests) == n
+    assert find_model("tiny:1m", store, pull=pull, status=messages.append) == found
+    assert len(hub.requests) == n and len(messages) == 1
 
 
 def test_rich_progress_callback_drives_a_pull(hub):

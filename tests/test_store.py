@@ -20,6 +20,7 @@ from localllm.store import (
     CatalogEntry,
     Store,
     detect_quant,
+    find_model,
     load_catalog,
     quant_from_file_name,
     read_file_type,
@@ -306,3 +307,30 @@ def test_the_wheel_carries_the_catalog(tmp_path):
     (wheel,) = tmp_path.glob("localllm-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         assert "localllm/models.toml" in zf.namelist()
+
+
+# ---------------------------------------------------------------------------------------------
+# find_model: what a run/show/bench/serve argument names
+
+
+def test_find_model_of_a_path_uses_the_file_in_place(store, tmp_path, monkeypatch):
+    path = tmp_path / "Some-Model.gguf"
+    path.write_bytes(tiny_gguf())
+    monkeypatch.chdir(tmp_path)
+    found = find_model("./Some-Model.gguf", store)
+    assert (found.path, found.name, found.installed) == (path.resolve(), "Some-Model.gguf", None)
+    assert store.list() == []  # a path is not registered
+    with pytest.raises(LocalLLMError, match="model file ./missing.gguf not found"):
+        find_model("./missing.gguf", store)
+
+
+def test_find_model_of_an_installed_name_and_of_one_that_is_not(store):
+    add_blob(store, "tiny:1m", tiny_gguf())
+    found = find_model("tiny", store)  # the bare name means the default tag
+    assert found.name == "tiny:1m" and found.installed == store.resolve("tiny:1m")
+    assert found.path == found.installed.path
+    with pytest.raises(LocalLLMError, match=r"other:1 is not installed; run `localllm pull other"):
+        find_model("other:1", store)  # without `pull`, nothing is pulled
+    found.path.unlink()
+    with pytest.raises(LocalLLMError, match=r"the file of tiny:1m .* is missing.*localllm rm"):
+        find_model("tiny", store, pull=lambda *a: pytest.fail("a missing file is not pulled"))
