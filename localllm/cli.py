@@ -14,10 +14,10 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 from datetime import datetime, timezone
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import typer
 from typer.core import TyperGroup
@@ -257,21 +257,8 @@ def _one_shot(
             f"Warning: the prompt did not fit in the context of {model.n_ctx} tokens; its first "
             f"{dropped} tokens were dropped (--truncate), {len(ids)} tokens remain"
         )
-    out = sys.stdout
-    tty = _isatty(out)
-    replies = conversation.generate(ids)
-    final = None
-    try:
-        with _spinner("thinking") if tty else nullcontext():
-            first = next(replies)  # the spinner turns while the prompt is prefilled
-        for final in itertools.chain([first], replies):
-            out.write(final.text)
-            out.flush()
-    finally:
-        replies.close()
-        if tty:
-            out.write("\n")
-            out.flush()
+    with closing(conversation.generate(ids)) as replies:
+        final = _print_reply(replies, sys.stdout)
     if final.finish_reason == "length" and conversation.context_is_full():
         _stderr(f"Warning: the reply stopped because the context ({model.n_ctx} tokens) is full")
     if verbose:
@@ -279,6 +266,30 @@ def _one_shot(
 
         total = model.load_seconds + time.perf_counter() - start  # Ollama's total includes load
         _stderr(format_stats(final, model.load_seconds, total))
+
+
+def _print_reply(replies: Iterator[Any], out: TextIO) -> Any:
+    """Write a reply to `out` as it streams and return its last response.
+
+    The text ends with exactly one newline, on a terminal or not (so `| wc -l` counts the last
+    line, and a file gets a final newline); a reply that ends with one gets none added. On a
+    terminal a spinner turns on stderr while the prompt is prefilled.
+    """
+    tty = _isatty(out)
+    last_char, finished = "", False
+    try:
+        with _spinner("thinking") if tty else nullcontext():
+            first = next(replies)
+        for final in itertools.chain([first], replies):
+            out.write(final.text)
+            out.flush()
+            last_char = final.text[-1:] or last_char
+        finished = True
+    finally:  # also after Ctrl-C: the shell prompt starts on a line of its own
+        if last_char != "\n" and (last_char or finished or tty):
+            out.write("\n")
+            out.flush()
+    return final
 
 
 def _chat(model, label: str, system: str | None, raw: bool, options, verbose: bool) -> None:

@@ -7,10 +7,12 @@ LOCALLLM_HOME from conftest; pulls go to the fake Hub of test_pull.py, never to 
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -50,6 +52,11 @@ def expected_reply(model, ids: list[int], n: int) -> str:
     a one-token step from the cache may round differently)."""
     model.transformer.cache.clear()
     return generate(model, ids, max_tokens=n)
+
+
+def printed(reply: str) -> str:
+    """What the one-shot run writes for a reply: it, ending with exactly one newline."""
+    return reply if reply.endswith("\n") else reply + "\n"
 
 
 @pytest.fixture
@@ -102,7 +109,7 @@ def test_piped_stdin_then_prompt_prints_only_the_reply(smollm):
     # stdin, a blank line, then PROMPT, through the chat template.
     text = piped.rstrip("\n") + "\n\nSummarize in a few words."
     ids = chat_prompt_ids(smollm, [{"role": "user", "content": text}])
-    assert result.stdout == expected_reply(smollm, ids, 6)
+    assert result.stdout == printed(expected_reply(smollm, ids, 6))
     assert result.stdout.strip()
     assert "\x1b" not in result.stdout and "\x1b" not in result.stderr
     assert result.stderr == ""  # no spinner, no progress, no stats without --verbose
@@ -114,7 +121,7 @@ def test_raw_greedy_output_is_deterministic_and_equals_generate(smollm):
     first, second = invoke(*args), invoke(*args)
     assert first.exit_code == 0, first.output
     expected = expected_reply(smollm, raw_prompt_ids(smollm, "The capital of France is"), 4)
-    assert first.stdout == second.stdout == expected
+    assert first.stdout == second.stdout == printed(expected)
     assert "Paris" in expected
 
 
@@ -126,7 +133,7 @@ def test_system_prompt_threads_and_verbose_stats(smollm):
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
-    assert result.stdout == expected_reply(smollm, chat_prompt_ids(smollm, messages), 3)
+    assert result.stdout == printed(expected_reply(smollm, chat_prompt_ids(smollm, messages), 3))
     # Ollama's --verbose block, on stderr only.
     for field in ("total duration", "load duration", "prompt eval count", "prompt eval rate"):
         assert field + ":" in result.stderr
@@ -394,7 +401,7 @@ def test_run_pulls_a_missing_model_first(hub, smollm):
     assert result.exit_code == 0, result.output
     assert "not installed; pulling" in result.stderr
     ids = chat_prompt_ids(smollm, [{"role": "user", "content": "Hi"}])
-    assert result.stdout == expected_reply(smollm, ids, 3)
+    assert result.stdout == printed(expected_reply(smollm, ids, 3))
     [model] = Store().list()
     assert model.name == "hf.co/tester/smol-GGUF:Q4_1" and model.size == source.stat().st_size
     n_requests = len(hub.requests)
@@ -426,3 +433,65 @@ def test_finding_an_installed_model_does_not_import_the_download_stack(tmp_path)
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["tiny", "False"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the one-shot reply's final newline
+
+
+class Piece:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def pieces(*texts: str, interrupt: bool = False):
+    for text in texts:
+        yield Piece(text)
+    if interrupt:
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize(
+    ("texts", "written"),
+    [
+        (["Hello", " world"], "Hello world\n"),
+        (["Hello", " world\n"], "Hello world\n"),  # already ends with one: none added
+        (["one\n", "two", ""], "one\ntwo\n"),  # the last piece is often empty
+        (["done\n", ""], "done\n"),
+        ([""], "\n"),  # an empty reply is still one (empty) line
+    ],
+)
+def test_a_one_shot_reply_ends_with_exactly_one_newline(texts, written):
+    from localllm.cli import _print_reply
+
+    out = io.StringIO()  # not a terminal, like a pipe or a file
+    final = _print_reply(pieces(*texts), out)
+    assert out.getvalue() == written and final.text == texts[-1]
+
+
+def test_an_interrupted_one_shot_reply_still_ends_its_line():
+    from localllm.cli import _print_reply
+
+    out = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        _print_reply(pieces("Once upon", " a", interrupt=True), out)
+    assert out.getvalue() == "Once upon a\n"
+    out = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        _print_reply(pieces(interrupt=True), out)  # before any text: nothing at all
+    assert out.getvalue() == ""
+
+
+def test_wc_l_counts_a_one_shot_reply_and_a_file_gets_a_final_newline(smollm, tmp_path):
+    prompt = "The capital of France is"
+    args = [*LOCALLLM, "run", str(model_path("smollm2-135m")), prompt, "--raw"]
+    args += ["--temperature", "0", "-n", "4", *FAST]
+    out_file = tmp_path / "out.txt"
+    command = f"{shlex.join(args)} | tee {shlex.quote(str(out_file))} | wc -l"
+    result = subprocess.run(
+        command, shell=True, capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    expected = printed(expected_reply(smollm, raw_prompt_ids(smollm, prompt), 4))
+    assert out_file.read_text() == expected and expected.endswith("\n")
+    assert int(result.stdout) == expected.count("\n") >= 1
