@@ -8,6 +8,7 @@ stops it; the partial reply stays in the conversation (see `localllm.conversatio
 from __future__ import annotations
 
 import contextlib
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -38,6 +39,71 @@ Ctrl-C stops a reply; what was written so far stays in the conversation.
 """
 
 
+class WordWrap:
+    """Writes streamed text wrapped at `width` columns, breaking lines at spaces.
+
+    Text arrives in pieces that split words anywhere, so the current word (and the spaces before
+    it) is held back until a space or newline ends it; then it goes on the current line if it
+    fits, else on the next one, where the spaces that stood before it are dropped. Newlines in
+    the text are kept; a word longer than the line is broken where the line ends.
+    """
+
+    def __init__(self, write: Callable[[str], object], width: int) -> None:
+        self._write = write
+        self.width = max(1, width)
+        self.column = 0  # characters on the current line
+        self._spaces = ""  # written before the held word, if it stays on this line
+        self._word = ""
+        self._breaking = False  # the held word continues one already broken at a line's end
+
+    def write(self, text: str) -> None:
+        for char in text:
+            if char == "\n":
+                self.flush()
+                self._write("\n")
+                self.column = 0
+            elif char.isspace():
+                self._place_word()
+                self._breaking = False
+                self._spaces += char
+            else:
+                self._word += char
+                if len(self._word) > self.width:  # too long for any line: break it now
+                    self._place_word()
+                    self._breaking = True
+
+    def flush(self) -> None:
+        """Write the held word (at the end of a reply, or when it is stopped)."""
+        self._place_word()
+        self._spaces, self._breaking = "", False
+
+    def _place_word(self) -> None:
+        if not self._word:
+            return
+        text = self._spaces + self._word
+        self._spaces = self._word = ""
+        if self.column and not self._breaking and self.column + len(text) > self.width:
+            self._write("\n")
+            self.column = 0
+            text = text.lstrip()
+        while self.column + len(text) > self.width:
+            cut = self.width - self.column
+            self._write(text[:cut] + "\n")
+            text, self.column = text[cut:], 0
+        self._write(text)
+        self.column += len(text)
+
+
+def terminal_width(stream: TextIO) -> int | None:
+    """The width to wrap a reply at: the terminal's, or None when `stream` is not a terminal."""
+    try:
+        if not stream.isatty():
+            return None
+    except (AttributeError, ValueError):
+        return None
+    return shutil.get_terminal_size().columns
+
+
 class ChatSession:
     """The `>>> ` loop: read a message or a slash command, stream the reply, repeat."""
 
@@ -49,13 +115,17 @@ class ChatSession:
         out: TextIO | None = None,
         err: TextIO | None = None,
         read: Callable[[str], str] = input,
+        width: int | None = None,
     ) -> None:
+        """`width`: wrap replies at this many columns; by default at the terminal's width when
+        `out` is a terminal (read again for each reply), else not at all."""
         self.conversation = conversation
         self.name = name
         self.verbose = verbose
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self.read = read
+        self.width = width
 
     def run(self) -> None:
         """Chat until /bye or Ctrl-D."""
@@ -103,11 +173,18 @@ class ChatSession:
         conversation = self.conversation
         start = time.perf_counter()
         last = None
+        width = self.width or terminal_width(self.out)
+        wrap = WordWrap(self.out.write, width) if width else None
+        write = self.out.write if wrap is None else wrap.write
         try:
             with contextlib.closing(conversation.reply(text)) as replies:
-                for last in replies:
-                    self.out.write(last.text)
-                    self.out.flush()
+                try:
+                    for last in replies:
+                        write(last.text)
+                        self.out.flush()
+                finally:  # the word held back shows before "(stopped)" or an error
+                    if wrap is not None:
+                        wrap.flush()
         except KeyboardInterrupt:
             self.out.write("\n")
             self._say("(stopped)", self.err)

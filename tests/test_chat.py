@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import model_path
 
-from localllm.chat import ChatSession
+from localllm.chat import ChatSession, WordWrap, terminal_width
 from localllm.conversation import ContextFull, Conversation
 from localllm.describe import format_stats
 from localllm.errors import LocalLLMError
@@ -333,3 +333,65 @@ def test_ctrl_d_exits_the_terminal_chat_with_0():
     finally:
         child.close()
     assert child.exitstatus == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Word wrap of a streamed reply
+
+
+def wrapped(pieces: list[str], width: int) -> str:
+    out = io.StringIO()
+    wrap = WordWrap(out.write, width)
+    for piece in pieces:
+        wrap.write(piece)
+    wrap.flush()
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("pieces", "width", "expected"),
+    [
+        # pieces split words anywhere; lines break at spaces
+        (["The qu", "ick brown", " fox jumps over the lazy dog."], 10,
+         "The quick\nbrown fox\njumps over\nthe lazy\ndog."),
+        (["a b c d e f g"], 3, "a b\nc d\ne f\ng"),
+        (["exactly ten"], 7, "exactly\nten"),  # a word that fills the line exactly
+        # newlines in the reply are kept, and indentation after them
+        (["Hi!\n\n", "  - one\n  - two"], 20, "Hi!\n\n  - one\n  - two"),
+        # a word longer than the line still breaks, at the line's end
+        (["abcdefghijkl", "mnop"], 5, "abcde\nfghij\nklmno\np"),
+        (["xx abcdefghijk yy"], 5, "xx\nabcde\nfghij\nk yy"),
+    ],
+)  # fmt: skip
+def test_word_wrap_breaks_lines_at_spaces(pieces, width, expected):
+    assert wrapped(pieces, width) == expected
+    assert all(len(line) <= width for line in expected.splitlines())
+
+
+def test_word_wrap_holds_the_word_back_until_it_ends():
+    out = io.StringIO()
+    wrap = WordWrap(out.write, 12)
+    wrap.write("Hello wor")
+    assert out.getvalue() == "Hello"  # "wor" may go on: it waits for a space or a newline
+    wrap.write("ld, again")
+    assert out.getvalue() == "Hello world,"
+    wrap.write("\n")
+    assert out.getvalue() == "Hello world,\nagain\n"
+
+
+def test_the_chat_wraps_replies_at_the_width_and_only_on_a_terminal(smollm):
+    conversation = Conversation(smollm, options=greedy(40))
+    chat, out = session(conversation, ["Write a sentence about the sea."])
+    chat.width = 20
+    chat.run()
+    reply = conversation.messages[-1]["content"]
+    shown = out.getvalue().split(">>> ")[1].rstrip("\n")  # the reply, between two prompts
+    assert len(reply) > 40 and "\n" in shown
+    assert all(len(line) <= 20 for line in shown.splitlines())
+    assert shown.split() == reply.split()  # no word was cut in two
+    # Not a terminal and no width given: the reply is written as it came.
+    assert terminal_width(io.StringIO()) is None
+    conversation = Conversation(smollm, options=greedy(40))
+    chat, out = session(conversation, ["Write a sentence about the sea."])
+    chat.run()
+    assert conversation.messages[-1]["content"] in out.getvalue()
