@@ -397,9 +397,9 @@ def show(
     Architecture, parameters (counted from the tensor shapes), context length, quantization,
     chat template and license.
     """
-    from localllm.describe import describe_model, format_count, printable
+    from localllm.describe import describe_model, info_rows, printable
     from localllm.gguf import read_gguf
-    from localllm.store import detect_quant, find_model, format_bytes
+    from localllm.store import detect_quant, find_model
 
     found = find_model(model)  # never pulls
     path, label = found.path, found.name
@@ -410,20 +410,8 @@ def show(
         # ASCII-escaped: no control character from the file reaches the terminal.
         print(json.dumps(info, indent=2, default=str))
         return
-    types = ", ".join(f"{name} x{n}" for name, n in info["tensor_types"].items())
-    rows = [
-        ("name", info["name"]),
-        ("architecture", info["architecture"]),
-        ("parameters", format_count(info["parameters"])),
-        ("context length", info["context_length"]),
-        ("embedding length", info["embedding_length"]),
-        ("layers", info["layers"]),
-        ("quantization", info["quantization"]),
-        ("tensor types", types),
-        ("file", f"{info['file']} ({format_bytes(info['file_size'])})"),
-    ]
     print(f"  {printable(label)}")
-    for key, value in rows:
+    for key, value in info_rows(info):
         print(f"    {key:<20}{printable(value if value is not None else '-')}")
     print(f"\n  Chat template ({info['chat_template_source']})")
     for line in info["chat_template"].splitlines():

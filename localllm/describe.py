@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from localllm.store import format_bytes
+
 if TYPE_CHECKING:  # `show` needs neither the generator nor numpy's GGUF reader to be imported here
     from localllm.generate import GenerationResponse
     from localllm.gguf import GGUFFile
@@ -50,6 +52,22 @@ def describe_model(gguf: GGUFFile, quant: str | None = None) -> dict[str, Any]:
         "file": str(gguf.path),
         "file_size": gguf.file_size,
     }
+
+
+def info_rows(info: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The rows `show` prints of a describe_model() dict, as (label, value or None)."""
+    types = ", ".join(f"{name} x{n}" for name, n in info["tensor_types"].items())
+    return [
+        ("name", info["name"]),
+        ("architecture", info["architecture"]),
+        ("parameters", format_count(info["parameters"])),
+        ("context length", info["context_length"]),
+        ("embedding length", info["embedding_length"]),
+        ("layers", info["layers"]),
+        ("quantization", info["quantization"]),
+        ("tensor types", types),
+        ("file", f"{info['file']} ({format_bytes(info['file_size'])})"),
+    ]
 
 
 def printable(value: Any) -> str:
