@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TextIO
 
 from localllm.conversation import ContextFull, Conversation
-from localllm.describe import describe_model, format_count, format_stats, printable
+from localllm.describe import describe_model, format_stats, info_rows, printable
 from localllm.errors import LocalLLMError
 from localllm.prompt import chat_template
 
@@ -267,15 +267,14 @@ class ChatSession:
         conversation = self.conversation
         model = conversation.model
         if what == "info":
-            info = describe_model(model.gguf)
-            cache = model.transformer.cache
-            rows = [
-                ("model", self.name),
-                ("architecture", info["architecture"]),
-                ("parameters", format_count(info["parameters"])),
-                ("context length", f"{model.n_ctx} ({cache.n_past} in use)"),
-                ("training context", info["context_length"]),
-            ]
+            # `show`'s rows, with the context this chat runs in next to the training one.
+            rows = [("model", self.name)]
+            for key, value in info_rows(describe_model(model.gguf)):
+                if key == "context length":
+                    in_use = model.transformer.cache.n_past
+                    rows.append(("context length", f"{model.n_ctx} ({in_use} in use)"))
+                    key = "training context"
+                rows.append((key, value if value is not None else "-"))
             self._say("\n".join(f"  {k:<18}{printable(v)}" for k, v in rows), self.out)
         elif what == "parameters":
             options = asdict(conversation.options)

@@ -399,12 +399,12 @@ def show(
     """
     from localllm.describe import describe_model, info_rows, printable
     from localllm.gguf import read_gguf
-    from localllm.store import detect_quant, find_model
+    from localllm.store import find_model
 
     found = find_model(model)  # never pulls
     path, label = found.path, found.name
     with read_gguf(path) as gguf:
-        info = describe_model(gguf, detect_quant(path, metadata=gguf.metadata))
+        info = describe_model(gguf)
     info = {"model": label, **info}
     if as_json:
         # ASCII-escaped: no control character from the file reaches the terminal.

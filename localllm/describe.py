@@ -6,17 +6,18 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from localllm.store import format_bytes
+from localllm.store import detect_quant, format_bytes
 
 if TYPE_CHECKING:  # `show` needs neither the generator nor numpy's GGUF reader to be imported here
     from localllm.generate import GenerationResponse
     from localllm.gguf import GGUFFile
 
 
-def describe_model(gguf: GGUFFile, quant: str | None = None) -> dict[str, Any]:
+def describe_model(gguf: GGUFFile) -> dict[str, Any]:
     """What `show` prints: architecture, parameter count (from tensor shapes), context length,
     quantization, tensor types, chat template and license, all from the GGUF itself."""
     metadata = gguf.metadata
+    quant = detect_quant(gguf.path, metadata=metadata)
     arch = str(metadata.get("general.architecture", ""))
     tensor_types: dict[str, int] = {}
     n_params = 0

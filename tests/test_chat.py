@@ -395,3 +395,18 @@ def test_the_chat_wraps_replies_at_the_width_and_only_on_a_terminal(smollm):
     chat, out = session(conversation, ["Write a sentence about the sea."])
     chat.run()
     assert conversation.messages[-1]["content"] in out.getvalue()
+
+
+def test_show_info_has_the_rows_of_show_and_the_quantization(smollm):
+    from localllm.describe import describe_model, info_rows
+
+    chat, out = session(Conversation(smollm, options=greedy(2)), ["/show info"])
+    chat.run()
+    text = out.getvalue()
+    assert "  model             smollm\n" in text
+    assert "  quantization      Q4_1\n" in text  # as `localllm show` reports it
+    assert "  parameters        134.52M\n" in text
+    assert re.search(r"^  context length    512 \(\d+ in use\)$", text, re.M)
+    assert "  training context  8192\n" in text
+    for label, _ in info_rows(describe_model(smollm.gguf)):
+        assert f"\n  {label} " in text or label == "context length"
