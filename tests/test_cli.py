@@ -495,3 +495,14 @@ def test_wc_l_counts_a_one_shot_reply_and_a_file_gets_a_final_newline(smollm, tm
     expected = printed(expected_reply(smollm, raw_prompt_ids(smollm, prompt), 4))
     assert out_file.read_text() == expected and expected.endswith("\n")
     assert int(result.stdout) == expected.count("\n") >= 1
+
+
+def test_pull_of_a_broken_file_registers_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with open(model_path("smollm2-135m"), "rb") as f:
+        (tmp_path / "broken.gguf").write_bytes(f.read(3_000_000))  # cut in the tensor data
+    result = invoke("pull", "./broken.gguf")
+    assert result.exit_code == 1
+    error = one_error_line(result.stderr)
+    assert "broken.gguf" in error and "runs past the end of the file" in error
+    assert Store().list() == []

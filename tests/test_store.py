@@ -9,6 +9,7 @@ import runpy
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import REPO, model_path
 from gguf_writer import gguf_bytes
@@ -334,3 +335,25 @@ def test_find_model_of_an_installed_name_and_of_one_that_is_not(store):
     found.path.unlink()
     with pytest.raises(LocalLLMError, match=r"the file of tiny:1m .* is missing.*localllm rm"):
         find_model("tiny", store, pull=lambda *a: pytest.fail("a missing file is not pulled"))
+
+
+def gguf_with_a_tensor() -> bytes:
+    weight = np.arange(64, dtype=np.float32).reshape(8, 8)
+    return gguf_bytes({"general.architecture": "llama"}, [("w.weight", 0, (8, 8), weight)])
+
+
+@pytest.mark.parametrize("damage", ["truncated tensor data", "bad header"])
+def test_a_broken_local_file_is_not_registered(store, tmp_path, damage):
+    data = gguf_with_a_tensor()
+    path = tmp_path / "broken.gguf"
+    if damage == "truncated tensor data":
+        path.write_bytes(data[:-100])  # the header is whole: only the tensor is cut short
+        message = "runs past the end of the file"
+    else:
+        path.write_bytes(data[:4] + b"\x03\x00\x00\x00" + b"\xff" * 16 + data[24:])
+        message = "corrupt GGUF file"
+    with pytest.raises(LocalLLMError, match=message):
+        store.register_file(path)
+    assert store.list() == [] and not store.manifests_dir.exists()
+    path.write_bytes(data)  # whole again: registered
+    assert store.register_file(path).name == "broken"
