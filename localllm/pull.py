@@ -98,7 +98,7 @@ def pull(
     """
     store = store or Store()
     if is_path(name):
-        return store.register_file(Path(name), progress)
+        return store.register_file(name, progress)  # the name as given, for messages
     canonical = store.canonical_name(name)
     lock = store.lock(canonical)
     try:

@@ -62,7 +62,21 @@ _QUANT_IN_NAME_RE = re.compile(
 def is_path(name_or_path: str) -> bool:
     """Whether a `pull`/`run` argument means a local file rather than a model name."""
     looks_like_path = name_or_path.startswith(("/", "./", "../", "~", ".\\"))
-    return looks_like_path or name_or_path.lower().endswith(".gguf")
+    return looks_like_path or name_or_path.lower().endswith((".gguf", "/"))
+
+
+def check_not_a_directory(path: Path, given: str | Path) -> None:
+    """Raise a LocalLLMError saying what to give instead when a model path is a directory."""
+    if not path.is_dir():
+        return
+    try:
+        found = sorted(p.name for p in path.glob("*.gguf"))
+    except OSError:
+        found = []
+    example = f", such as {Path(given) / found[0]}" if found else ""
+    raise LocalLLMError(
+        f"{given} is a directory, not a .gguf file; give the path of a .gguf file in it{example}"
+    )
 
 
 def validate_name(name: str) -> str:
@@ -454,12 +468,13 @@ class Store:
         manifest = {"blob": blob.name}
         return self._write_manifest(canonical, manifest, size, sha256, quant, source)
 
-    def register_file(self, path: Path, progress: Progress | None = None) -> InstalledModel:
+    def register_file(self, path: str | Path, progress: Progress | None = None) -> InstalledModel:
         """Register a local GGUF in place (it is not copied); its name is the file's stem.
 
         Registering the same unchanged file again returns the existing entry without rehashing.
         """
-        path = Path(path).expanduser().resolve()
+        given, path = path, Path(path).expanduser().resolve()
+        check_not_a_directory(path, given)
         if not path.is_file():
             raise LocalLLMError(f"no such file: {path}")
         metadata = check_gguf(path)
@@ -558,6 +573,7 @@ def find_model(
     """
     if is_path(name_or_path):
         path = Path(name_or_path).expanduser()
+        check_not_a_directory(path, name_or_path)
         if not path.is_file():
             raise LocalLLMError(f"model file {name_or_path} not found")
         return ModelFile(path.resolve(), path.name)

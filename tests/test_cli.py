@@ -506,3 +506,15 @@ def test_pull_of_a_broken_file_registers_nothing(tmp_path, monkeypatch):
     error = one_error_line(result.stderr)
     assert "broken.gguf" in error and "runs past the end of the file" in error
     assert Store().list() == []
+
+
+@pytest.mark.parametrize("command", ["run", "show", "pull"])
+def test_a_directory_given_as_the_model_says_so(tmp_path, monkeypatch, command):
+    (tmp_path / "somedir").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for given in ["./somedir", str(tmp_path)]:
+        result = invoke(command, given, *(["Hi"] if command == "run" else []))
+        assert result.exit_code == 1
+        error = one_error_line(result.stderr)
+        assert error.startswith(f"Error: {given} is a directory, not a .gguf file; give the path")
+        assert result.stdout == ""

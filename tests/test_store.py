@@ -357,3 +357,18 @@ def test_a_broken_local_file_is_not_registered(store, tmp_path, damage):
     assert store.list() == [] and not store.manifests_dir.exists()
     path.write_bytes(data)  # whole again: registered
     assert store.register_file(path).name == "broken"
+
+
+def test_a_directory_is_not_a_model_file(store, tmp_path, monkeypatch):
+    folder = tmp_path / "somedir"
+    folder.mkdir()
+    monkeypatch.chdir(tmp_path)
+    for given in ["./somedir", "somedir/", str(folder)]:
+        with pytest.raises(LocalLLMError, match=r"is a directory, not a \.gguf file; give the"):
+            find_model(given, store)
+    with pytest.raises(LocalLLMError, match=r"^somedir is a directory"):
+        store.register_file(Path("somedir"))
+    (folder / "model.gguf").write_bytes(tiny_gguf())
+    with pytest.raises(LocalLLMError, match=r"a \.gguf file in it, such as somedir/model\.gguf$"):
+        find_model("./somedir", store)
+    assert store.list() == []
