@@ -586,11 +586,32 @@ def find_model(
                 f"the file of {known.name} ({known.path}) is missing; "
                 f"pull it again, or forget it with `localllm rm {known.name}`"
             )
+        message, to_pull = _not_installed(store, name_or_path)
         if pull is None:
-            raise LocalLLMError(
-                f"model {name_or_path} is not installed; run `localllm pull {name_or_path}` first"
-            )
+            raise LocalLLMError(f"model {message}; run `localllm pull {to_pull}` first")
         if status is not None:
-            status(f"{name_or_path} is not installed; pulling it")
+            status(f"{message}; pulling {'it' if to_pull == name_or_path else to_pull}")
         installed = pull(name_or_path, store)
     return ModelFile(installed.path, installed.name, installed)
+
+
+def _not_installed(store: Store, name: str) -> tuple[str, str]:
+    """(what to say about `name`, which is not installed; the name to pull).
+
+    A name without a tag means its default one (`gemma3` is `gemma3:1b`): that is said, with the
+    tags of the same model that are installed, in case one of them was meant.
+    """
+    canonical = store.canonical_name(name)
+    means = ":" not in name.rpartition("/")[2] and canonical != name.lower()
+    family = canonical.partition(":")[0]
+    others = [
+        m.name
+        for m in store.list()
+        if m.name.partition(":")[0] == family and m.name != canonical and m.path.is_file()
+    ]
+    message = (
+        f"{name} means {canonical}, which is not installed" if means else f"{name} is not installed"
+    )
+    if others:
+        message += f" (installed: {', '.join(others)})"
+    return message, canonical if means else name

@@ -7,6 +7,7 @@ LOCALLLM_HOME from conftest; pulls go to the fake Hub of test_pull.py, never to 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -518,3 +519,25 @@ def test_a_directory_given_as_the_model_says_so(tmp_path, monkeypatch, command):
         error = one_error_line(result.stderr)
         assert error.startswith(f"Error: {given} is a directory, not a .gguf file; give the path")
         assert result.stdout == ""
+
+
+def test_run_of_a_bare_name_names_the_default_tag_it_pulls_and_the_installed_ones(hub):
+    from localllm.store import load_catalog
+
+    default = load_catalog().defaults["gemma3"]
+    other = next(n for n in load_catalog().entries if n.startswith("gemma3:") and n != default)
+    entry = load_catalog().get(default)
+    if entry.sha256 is not None or entry.hf_repo is None:
+        pytest.skip(f"{default} is pinned to a checksum the fake Hub cannot serve")
+    hub.files[f"{entry.hf_repo}/{entry.hf_file}"] = model_path("smollm2-135m").read_bytes()
+    store = Store()
+    store.tmp_dir.mkdir(parents=True)
+    (store.tmp_dir / "incoming").write_bytes(DATA)
+    sha256 = hashlib.sha256(DATA).hexdigest()
+    store.install(other, store.tmp_dir / "incoming", sha256=sha256, source="test")
+    result = invoke("run", "gemma3", "Hi", "--temperature", "0", "-n", "2", *FAST)
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[0] == (
+        f"gemma3 means {default}, which is not installed (installed: {other}); pulling {default}"
+    )
+    assert [m.name for m in Store().list()] == sorted([default, other])

@@ -416,7 +416,7 @@ def test_find_model_pulls_only_when_missing(hub):
     found = find_model("tiny", store, pull=pull, status=messages.append)
     assert found.name == "tiny:1m" and found.installed == store.resolve("tiny:1m")
     assert found.path.read_bytes() == DATA
-    assert messages == ["tiny is not installed; pulling it"]
+    assert messages == ["tiny means tiny:1m, which is not installed; pulling tiny:1m"]
     n = len(hub.requests)
     assert find_model("tiny:1m", store, pull=pull, status=messages.append) == found
     assert len(hub.requests) == n and len(messages) == 1
@@ -453,3 +453,22 @@ def test_a_downloaded_file_that_is_not_a_whole_gguf_is_not_installed(hub):
     assert "runs past the end of the file" in message and "nothing was installed" in message
     assert str(store.tmp_dir) not in message
     assert store.list() == [] and list(store.tmp_dir.iterdir()) == []
+
+
+def test_a_bare_name_says_which_tag_it_means_and_which_are_installed(hub):
+    store = make_store(entry("tiny:1m"), entry("tiny:small"), entry("tiny:big"))
+    pull("tiny:small", store)
+    with pytest.raises(LocalLLMError) as error:
+        find_model("tiny", store)  # show and serve never pull
+    assert str(error.value) == (
+        "model tiny means tiny:1m, which is not installed (installed: tiny:small); "
+        "run `localllm pull tiny:1m` first"
+    )
+    messages = []
+    found = find_model("tiny", store, pull=pull, status=messages.append)
+    assert messages == [
+        "tiny means tiny:1m, which is not installed (installed: tiny:small); pulling tiny:1m"
+    ]
+    assert found.name == "tiny:1m"
+    find_model("tiny:big", store, pull=pull, status=messages.append)  # a tag given: no "means"
+    assert messages[-1] == "tiny:big is not installed (installed: tiny:1m, tiny:small); pulling it"
