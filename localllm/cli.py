@@ -84,6 +84,31 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            number = version("localllm")
+        except PackageNotFoundError:  # a source tree that was never installed
+            number = "unknown (not installed; pip install -e .)"
+        print(f"localllm {number}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        is_eager=True,
+        callback=_print_version,
+        help="Print the version and exit.",
+    ),
+) -> None:
+    """Run GGUF language models locally."""
+
+
 class Device(str, Enum):
     auto = "auto"
     cpu = "cpu"
@@ -339,7 +364,7 @@ def list_models(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     debug: bool = DEBUG,
 ) -> None:
-    """List the installed models.
+    """List the installed models (also: ls).
 
     A table of NAME, SIZE, QUANT and MODIFIED on stdout; where the store is on stderr.
     """
@@ -374,6 +399,10 @@ def list_models(
         print("    ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "    " + row[3])
     count = f"{len(models)} model{'s' * (len(models) != 1)}"
     _stderr(f"{count} in {store.root} (set LOCALLLM_HOME to use another store)")
+
+
+# `ls`, as in Ollama: the same command, kept out of the command list (`list` names it).
+app.command("ls", hidden=True)(list_models)
 
 
 def _ago(when: datetime, now: datetime) -> str:

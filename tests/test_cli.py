@@ -541,3 +541,22 @@ def test_run_of_a_bare_name_names_the_default_tag_it_pulls_and_the_installed_one
         f"gemma3 means {default}, which is not installed (installed: {other}); pulling {default}"
     )
     assert [m.name for m in Store().list()] == sorted([default, other])
+
+
+def test_version_comes_from_the_installed_package():
+    from importlib.metadata import version
+
+    result = localllm("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"localllm {version('localllm')}\n" and result.stderr == ""
+
+
+def test_ls_is_list(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(DATA)
+    Store().register_file(path)
+    for args in (["ls"], ["ls", "--json"]):
+        listed, aliased = invoke("list", *args[1:]), invoke(*args)
+        assert aliased.exit_code == 0, aliased.output
+        assert aliased.stdout == listed.stdout and "tiny" in aliased.stdout
+    assert "(also: ls)" in invoke("--help").stdout
