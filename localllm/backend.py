@@ -8,6 +8,7 @@ map and dequantizes blocks on the fly inside Numba kernels.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import numba
 import numpy as np
@@ -18,6 +19,89 @@ from localllm.gguf import TensorInfo
 from localllm.quants import intdot
 from localllm.quants.activations import VEC_DOT_TYPES, round_activations
 from localllm.threads import ThreadTuner, physical_cores
+
+Array = Any  # float32 arrays where the backend computes: numpy on the CPU, device arrays on CUDA
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the model (models/transformer.py, kv_cache.py) calls, and all it calls: CPUBackend
+    and cuda.CUDABackend both provide it (tests/test_backend.py checks the signatures).
+
+    Weights come from `weight`/`vector` and go back only into these methods; shapes are those of
+    `Transformer`'s scratch buffers. Ops write into `out` (returned) or work in place.
+    """
+
+    name: str  # "cpu", "cuda": what `bench` reports
+
+    def weight(self, tensor: TensorInfo) -> Any:
+        """A 2-D weight for `linear`/`embed`, in whatever form the backend runs it."""
+        ...
+
+    def vector(self, tensor: TensorInfo) -> Array:
+        """A 1-D tensor (norm weights, biases) as float32[n]."""
+        ...
+
+    def zeros(self, shape: tuple[int, ...]) -> Array:
+        """float32 zeros: scratch buffers and the KV cache."""
+        ...
+
+    def to_host(self, x: Array) -> np.ndarray:
+        """A host float32 copy of x (the logits)."""
+        ...
+
+    def write_kv(self, k_cache: Array, v_cache: Array, start_pos: int, k: Array, v: Array) -> None:
+        """Store k, v: float32[n_tokens, n_kv_heads, head_dim] at start_pos of one layer."""
+        ...
+
+    def linear(self, x: Array, w: Any, out: Array) -> Array:
+        """out = x @ w.T: x float32[n_tokens, n_cols], out float32[n_tokens, n_rows]."""
+        ...
+
+    def linear_many(self, x: Array, weights: Any, outs: Any) -> tuple:
+        """outs[i] = x @ weights[i].T for weights that share the input x."""
+        ...
+
+    def embed(self, w: Any, token_ids: np.ndarray, out: Array) -> Array:
+        """out = rows token_ids of the embedding matrix: float32[n_tokens, n_cols]."""
+        ...
+
+    def rmsnorm(self, x: Array, weight: Array, eps: float, out: Array) -> Array: ...
+
+    def rmsnorm_heads(self, x: Array, weight: Array, eps: float) -> None:
+        """RMSNorm of each head in place, x: float32[n_tokens, n_heads, head_dim] (QK-norm)."""
+        ...
+
+    def rope(self, x: Array, cos: Array, sin: Array, neox: bool) -> None: ...
+
+    def rope_tables(
+        self, positions: np.ndarray, rope_dim: int, theta_base: float, freq_scale: float
+    ) -> tuple[Array, Array]:
+        """(cos, sin): float32[n_tokens, rope_dim // 2] each, for int64 positions."""
+        ...
+
+    def attention(
+        self,
+        q: Array,
+        k_cache: Array,
+        v_cache: Array,
+        start_pos: int,
+        window: int,
+        scale: float,
+        out: Array,
+    ) -> Array:
+        """Causal GQA attention of q: float32[n_tokens, n_heads, head_dim] over the cache."""
+        ...
+
+    def add_bias(self, x: Array, bias: Array) -> None: ...
+
+    def add(self, x: Array, y: Array) -> None: ...
+
+    def silu_mul(self, gate: Array, up: Array) -> None: ...
+
+    def gelu_mul(self, gate: Array, up: Array) -> None: ...
+
+    def scale(self, x: Array, factor: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -210,7 +294,7 @@ class CPUBackend:
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def make_backend(device: str = "auto", n_threads: int | None = None):
+def make_backend(device: str = "auto", n_threads: int | None = None) -> Backend:
     """The backend for --device: "cpu", "cuda" (an error when no usable GPU), or "auto" (CUDA
     when a real, usable GPU is present, never the simulator; else CPU)."""
     if device not in DEVICES:

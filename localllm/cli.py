@@ -14,17 +14,19 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 from datetime import datetime, timezone
 from enum import Enum
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import typer
 from typer.core import TyperGroup
 
 from localllm.errors import LocalLLMError
 from localllm.sampling import DEFAULTS
+
+if TYPE_CHECKING:  # imported where used, so that `localllm list` starts fast
+    from localllm.store import InstalledModel, ModelFile, Store
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _DEBUG_KEY = "localllm.debug"
@@ -82,6 +84,31 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            number = version("localllm")
+        except PackageNotFoundError:  # a source tree that was never installed
+            number = "unknown (not installed; pip install -e .)"
+        print(f"localllm {number}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        is_eager=True,
+        callback=_print_version,
+        help="Print the version and exit.",
+    ),
+) -> None:
+    """Run GGUF language models locally."""
+
+
 class Device(str, Enum):
     auto = "auto"
     cpu = "cpu"
@@ -137,34 +164,19 @@ def _spinner(message: str) -> Iterator[None]:
 # Finding and loading models (also for serve and bench)
 
 
-def resolve_model(name: str) -> tuple[Path, str]:
-    """(GGUF path, display name) for a path, an installed name, or a name to pull first.
+def _pull_with_progress(name: str, store: Store) -> InstalledModel:
+    """Pull a model for `run` or `bench` with a progress bar on stderr, as `localllm pull` does."""
+    from localllm.pull import pull, rich_progress  # httpx, huggingface_hub: only to pull
 
-    A path is used as it is (not registered in the store); a missing name is pulled, with a
-    progress bar on stderr, as `localllm pull` would.
-    """
-    from localllm.store import Store, is_path
+    with rich_progress(f"pulling {store.canonical_name(name)}") as progress:
+        return pull(name, store, progress, status=_stderr)
 
-    if is_path(name):
-        path = Path(name).expanduser()
-        if not path.is_file():
-            raise LocalLLMError(f"model file {name} not found")
-        return path, path.name
-    store = Store()
-    installed = store.resolve(name)
-    if installed is None:
-        for known in store.list():
-            if known.name in (name, store.canonical_name(name)):
-                raise LocalLLMError(
-                    f"the file of {known.name} ({known.path}) is missing; "
-                    f"pull it again, or forget it with `localllm rm {known.name}`"
-                )
-        from localllm.pull import pull, rich_progress  # httpx, huggingface_hub: only to pull
 
-        _stderr(f"{name} is not installed; pulling it")
-        with rich_progress(f"pulling {store.canonical_name(name)}") as progress:
-            installed = pull(name, store, progress, status=_stderr)
-    return installed.path, installed.name
+def find_or_pull(name: str) -> ModelFile:
+    """The store.ModelFile for a path, an installed name, or a name pulled now."""
+    from localllm.store import find_model
+
+    return find_model(name, pull=_pull_with_progress, status=_stderr)
 
 
 def open_model(
@@ -176,10 +188,10 @@ def open_model(
     """
     from localllm.models import load_model
 
-    path, label = resolve_model(name)
-    with _spinner(f"loading {label}") if spinner else nullcontext():
-        model = load_model(path, n_ctx=ctx_size, n_threads=threads, device=device.value)
-    return model, label
+    found = find_or_pull(name)
+    with _spinner(f"loading {found.name}") if spinner else nullcontext():
+        model = load_model(found.path, n_ctx=ctx_size, n_threads=threads, device=device.value)
+    return model, found.name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,7 +247,7 @@ def run(
     Interactive when stdin and stdout are terminals and no PROMPT is given; otherwise one-shot,
     with only the reply on stdout. The model is pulled first if it is not installed.
     """
-    from localllm.chat import Options
+    from localllm.options import Options
 
     if raw and system is not None:
         raise typer.BadParameter("a system prompt needs the chat template", param_hint="--system")
@@ -267,7 +279,7 @@ def _prompt_text(prompt: str | None) -> str:
 def _one_shot(
     model, text: str, system: str | None, raw: bool, options, verbose: bool, truncate: bool
 ) -> None:
-    from localllm.chat import Conversation
+    from localllm.conversation import Conversation
 
     start = time.perf_counter()
     conversation = Conversation(model, system=system, raw=raw, options=options)
@@ -277,32 +289,44 @@ def _one_shot(
             f"Warning: the prompt did not fit in the context of {model.n_ctx} tokens; its first "
             f"{dropped} tokens were dropped (--truncate), {len(ids)} tokens remain"
         )
-    out = sys.stdout
-    tty = _isatty(out)
-    replies = conversation.generate(ids)
-    final = None
-    try:
-        with _spinner("thinking") if tty else nullcontext():
-            first = next(replies)  # the spinner turns while the prompt is prefilled
-        for final in itertools.chain([first], replies):
-            out.write(final.text)
-            out.flush()
-    finally:
-        replies.close()
-        if tty:
-            out.write("\n")
-            out.flush()
+    with closing(conversation.generate(ids)) as replies:
+        final = _print_reply(replies, sys.stdout)
     if final.finish_reason == "length" and conversation.context_is_full():
         _stderr(f"Warning: the reply stopped because the context ({model.n_ctx} tokens) is full")
     if verbose:
-        from localllm.chat import format_stats
+        from localllm.describe import format_stats
 
         total = model.load_seconds + time.perf_counter() - start  # Ollama's total includes load
         _stderr(format_stats(final, model.load_seconds, total))
 
 
+def _print_reply(replies: Iterator[Any], out: TextIO) -> Any:
+    """Write a reply to `out` as it streams and return its last response.
+
+    The text ends with exactly one newline, on a terminal or not (so `| wc -l` counts the last
+    line, and a file gets a final newline); a reply that ends with one gets none added. On a
+    terminal a spinner turns on stderr while the prompt is prefilled.
+    """
+    tty = _isatty(out)
+    last_char, finished = "", False
+    try:
+        with _spinner("thinking") if tty else nullcontext():
+            first = next(replies)
+        for final in itertools.chain([first], replies):
+            out.write(final.text)
+            out.flush()
+            last_char = final.text[-1:] or last_char
+        finished = True
+    finally:  # also after Ctrl-C: the shell prompt starts on a line of its own
+        if last_char != "\n" and (last_char or finished or tty):
+            out.write("\n")
+            out.flush()
+    return final
+
+
 def _chat(model, label: str, system: str | None, raw: bool, options, verbose: bool) -> None:
-    from localllm.chat import ChatSession, Conversation
+    from localllm.chat import ChatSession
+    from localllm.conversation import Conversation
 
     conversation = Conversation(model, system=system, raw=raw, options=options)
     ChatSession(conversation, label, verbose=verbose).run()
@@ -347,7 +371,7 @@ def list_models(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     debug: bool = DEBUG,
 ) -> None:
-    """List the installed models.
+    """List the installed models (also: ls).
 
     A table of NAME, SIZE, QUANT and MODIFIED on stdout; where the store is on stderr.
     """
@@ -384,6 +408,10 @@ def list_models(
     _stderr(f"{count} in {store.root} (set LOCALLLM_HOME to use another store)")
 
 
+# `ls`, as in Ollama: the same command, kept out of the command list (`list` names it).
+app.command("ls", hidden=True)(list_models)
+
+
 def _ago(when: datetime, now: datetime) -> str:
     """'3 minutes ago', as Ollama's list shows it."""
     seconds = max(0, int((now - when).total_seconds()))
@@ -405,38 +433,21 @@ def show(
     Architecture, parameters (counted from the tensor shapes), context length, quantization,
     chat template and license.
     """
-    from localllm.chat import describe_model, format_count, printable
+    from localllm.describe import describe_model, info_rows, printable
     from localllm.gguf import read_gguf
-    from localllm.store import Store, detect_quant, format_bytes, is_path
+    from localllm.store import find_model
 
-    if is_path(model):
-        path, label = resolve_model(model)
-    else:
-        installed = Store().resolve(model)
-        if installed is None:
-            raise LocalLLMError(f"model {model} is not installed; run `localllm pull {model}`")
-        path, label = installed.path, installed.name
+    found = find_model(model)  # never pulls
+    path, label = found.path, found.name
     with read_gguf(path) as gguf:
-        info = describe_model(gguf, detect_quant(path))
+        info = describe_model(gguf)
     info = {"model": label, **info}
     if as_json:
         # ASCII-escaped: no control character from the file reaches the terminal.
         print(json.dumps(info, indent=2, default=str))
         return
-    types = ", ".join(f"{name} x{n}" for name, n in info["tensor_types"].items())
-    rows = [
-        ("name", info["name"]),
-        ("architecture", info["architecture"]),
-        ("parameters", format_count(info["parameters"])),
-        ("context length", info["context_length"]),
-        ("embedding length", info["embedding_length"]),
-        ("layers", info["layers"]),
-        ("quantization", info["quantization"]),
-        ("tensor types", types),
-        ("file", f"{info['file']} ({format_bytes(info['file_size'])})"),
-    ]
     print(f"  {printable(label)}")
-    for key, value in rows:
+    for key, value in info_rows(info):
         print(f"    {key:<20}{printable(value if value is not None else '-')}")
     print(f"\n  Chat template ({info['chat_template_source']})")
     for line in info["chat_template"].splitlines():
@@ -540,8 +551,10 @@ def bench(
     """Measure load time, prefill and decode tok/s, and peak RSS (like llama-bench)."""
     from localllm.bench import bench as run_bench
 
-    path, label = resolve_model(model)
-    result = run_bench(path, label, prompt_tokens, gen_tokens, repetitions, threads, device.value)
+    found = find_or_pull(model)
+    result = run_bench(
+        found.path, found.name, prompt_tokens, gen_tokens, repetitions, threads, device.value
+    )
     print(f"model        {result.model} ({result.device}, {result.threads} threads)")
     print(f"load         {result.load_s:.2f} s")
     print(f"prefill      {result.prefill_tok_s:.1f} tok/s  (pp{prompt_tokens})")

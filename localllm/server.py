@@ -101,8 +101,13 @@ class ModelPool:
         self._fixed: dict[str, ServedModel] | None = None
         if specs:
             self._fixed = {}
+            from localllm.store import find_model
+
             for spec in specs:
-                served = _resolve_spec(spec)
+                found = find_model(spec)  # never pulls
+                # A file given by path is served under its name without .gguf.
+                served_id = found.name if found.installed else found.path.name.removesuffix(".gguf")
+                served = ServedModel(served_id, found.path)
                 self._fixed.setdefault(served.id, served)
                 self._fixed.setdefault(spec, served)  # the name as given is accepted too
 
@@ -173,24 +178,6 @@ class ModelPool:
         for model in self._loaded.values():
             model.close()
         self._loaded.clear()
-
-
-def _resolve_spec(spec: str) -> ServedModel:
-    """An operator's --model argument: a .gguf path, or the name of an installed model."""
-    from localllm.store import Store, is_path
-
-    if is_path(spec):
-        path = Path(spec).expanduser()
-        if not path.is_file():
-            raise LocalLLMError(f"model file {spec} not found")
-        return ServedModel(path.name.removesuffix(".gguf"), path.resolve())
-    installed = Store().resolve(spec)
-    if installed is None:
-        raise LocalLLMError(
-            f"model {spec!r} is not installed; run `localllm pull {spec}` first "
-            "(the server never downloads models)"
-        )
-    return ServedModel(installed.name, installed.path)
 
 
 # -- one generation -------------------------------------------------------------------------

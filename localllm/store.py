@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import sys
 import tempfile
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from datetime import datetime, timezone
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 from filelock import FileLock
@@ -44,7 +44,6 @@ Progress = Callable[[int, "int | None"], None]
 
 HF_PREFIX = "hf.co/"
 DEFAULT_QUANT = "Q4_K_M"
-GGUF_MAGIC = b"GGUF"
 MANIFEST_FORMAT = 1
 
 # A segment starts with a letter or digit, so "." and ".." (and hidden files) cannot be spelled;
@@ -63,7 +62,21 @@ _QUANT_IN_NAME_RE = re.compile(
 def is_path(name_or_path: str) -> bool:
     """Whether a `pull`/`run` argument means a local file rather than a model name."""
     looks_like_path = name_or_path.startswith(("/", "./", "../", "~", ".\\"))
-    return looks_like_path or name_or_path.lower().endswith(".gguf")
+    return looks_like_path or name_or_path.lower().endswith((".gguf", "/"))
+
+
+def check_not_a_directory(path: Path, given: str | Path) -> None:
+    """Raise a LocalLLMError saying what to give instead when a model path is a directory."""
+    if not path.is_dir():
+        return
+    try:
+        found = sorted(p.name for p in path.glob("*.gguf"))
+    except OSError:
+        found = []
+    example = f", such as {Path(given) / found[0]}" if found else ""
+    raise LocalLLMError(
+        f"{given} is a directory, not a .gguf file; give the path of a .gguf file in it{example}"
+    )
 
 
 def validate_name(name: str) -> str:
@@ -197,58 +210,41 @@ def _catalog_entry(name: str, raw: dict, path: Path) -> CatalogEntry:
 
 
 # ---------------------------------------------------------------------------------------------
-# GGUF header checks (only what the store needs; the full reader lives elsewhere)
-
-_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_GGUF_STRING, _GGUF_ARRAY, _GGUF_UINT32 = 8, 9, 4
+# What a GGUF file is (read by localllm.gguf; imported there, since numpy and the gguf package
+# would slow down commands such as `localllm list` that never open a model)
 
 
-def check_gguf(path: Path) -> None:
-    """Raise unless the file starts with the GGUF magic."""
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head != GGUF_MAGIC:
-        raise LocalLLMError(f"{path} is not a GGUF file (it starts with {head!r}, not b'GGUF')")
+def check_gguf(path: Path) -> dict[str, Any]:
+    """The metadata of a whole, readable GGUF file (header, metadata, tensor table, every
+    tensor's data inside the file), else LocalLLMError saying what is wrong with it."""
+    from localllm.gguf import read_gguf
+
+    with read_gguf(path) as gguf:  # memory-mapped: the tensor data itself is not read
+        return gguf.metadata
 
 
 def read_file_type(path: Path) -> int | None:
-    """`general.file_type` from a GGUF header, or None when absent or the header is odd."""
+    """`general.file_type` from a GGUF header, or None when absent or the header is unreadable."""
+    from localllm.gguf import read_metadata
+
     try:
-        with open(path, "rb") as f:
-            magic, version = struct.unpack("<4sI", f.read(8))
-            if magic != GGUF_MAGIC or version < 2:
-                return None
-            _n_tensors, n_kv = struct.unpack("<QQ", f.read(16))
-            for _ in range(n_kv):
-                key = f.read(struct.unpack("<Q", f.read(8))[0])
-                (value_type,) = struct.unpack("<I", f.read(4))
-                if key == b"general.file_type" and value_type == _GGUF_UINT32:
-                    return struct.unpack("<I", f.read(4))[0]
-                _skip_gguf_value(f, value_type)
-    except (OSError, struct.error, KeyError):
+        return _file_type(read_metadata(path))
+    except LocalLLMError:
         return None
-    return None
 
 
-def _skip_gguf_value(f, value_type: int) -> None:
-    if value_type == _GGUF_STRING:
-        f.seek(struct.unpack("<Q", f.read(8))[0], os.SEEK_CUR)
-    elif value_type == _GGUF_ARRAY:
-        item_type, count = struct.unpack("<IQ", f.read(12))
-        if item_type in _GGUF_SCALAR_SIZES:
-            f.seek(_GGUF_SCALAR_SIZES[item_type] * count, os.SEEK_CUR)
-        else:
-            for _ in range(count):
-                _skip_gguf_value(f, item_type)
-    else:
-        f.seek(_GGUF_SCALAR_SIZES[value_type], os.SEEK_CUR)
+def _file_type(metadata: dict[str, Any]) -> int | None:
+    value = metadata.get("general.file_type")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def detect_quant(path: Path, file_name: str | None = None) -> str | None:
-    """The quant of a GGUF: from `general.file_type`, else from the (remote) file name."""
-    file_type = read_file_type(path)
+def detect_quant(
+    path: Path, file_name: str | None = None, metadata: dict[str, Any] | None = None
+) -> str | None:
+    """The quant of a GGUF: from `general.file_type` (read from `path` unless `metadata` is
+    given), else from the (remote) file name."""
+    file_type = read_file_type(path) if metadata is None else _file_type(metadata)
     if file_type is not None:
-        # Imported here: gguf pulls in numpy and yaml, and `localllm list` should start fast.
         import gguf
 
         try:
@@ -375,8 +371,13 @@ class Store:
 
     def resolve(self, name: str) -> InstalledModel | None:
         """The installed model called `name` (short names allowed), or None if it is not here."""
-        model = self._read_manifest(self.manifest_path(self._lookup_name(name)))
+        model = self.manifest(name)
         return model if model is not None and model.path.is_file() else None
+
+    def manifest(self, name: str) -> InstalledModel | None:
+        """The model the store has a manifest for under `name`, whether or not its file is still
+        there (see `resolve`), or None."""
+        return self._read_manifest(self.manifest_path(self._lookup_name(name)))
 
     def _lookup_name(self, name: str) -> str:
         # A registered local file may be called exactly what a catalog family is called
@@ -467,15 +468,16 @@ class Store:
         manifest = {"blob": blob.name}
         return self._write_manifest(canonical, manifest, size, sha256, quant, source)
 
-    def register_file(self, path: Path, progress: Progress | None = None) -> InstalledModel:
+    def register_file(self, path: str | Path, progress: Progress | None = None) -> InstalledModel:
         """Register a local GGUF in place (it is not copied); its name is the file's stem.
 
         Registering the same unchanged file again returns the existing entry without rehashing.
         """
-        path = Path(path).expanduser().resolve()
+        given, path = path, Path(path).expanduser().resolve()
+        check_not_a_directory(path, given)
         if not path.is_file():
             raise LocalLLMError(f"no such file: {path}")
-        check_gguf(path)
+        metadata = check_gguf(path)
         stem = re.sub(r"[^A-Za-z0-9._+-]+", "-", path.stem).strip("-._+").lower() or "model"
         canonical = validate_name(stem[:100])
         stat = path.stat()
@@ -488,7 +490,7 @@ class Store:
                     return existing
             sha256 = sha256_file(path, progress)
             manifest = {"path": str(path), "mtime_ns": stat.st_mtime_ns}
-            quant = detect_quant(path)
+            quant = detect_quant(path, metadata=metadata)
             return self._write_manifest(canonical, manifest, stat.st_size, sha256, quant, "file")
 
     def _write_manifest(
@@ -538,3 +540,78 @@ class Store:
         if any(m.path == model.path for m in self.list()):
             return
         model.path.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a model argument names (run, show, bench, serve)
+
+Pull = Callable[[str, Store], InstalledModel]
+"""pull(name, store): install a model that is not here yet (localllm.pull.pull, with progress)."""
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """The GGUF file a model argument names, and what to call it."""
+
+    path: Path
+    name: str  # the installed name, or the file's name for a path given directly
+    installed: InstalledModel | None = None  # None for a path given directly
+
+
+def find_model(
+    name_or_path: str,
+    store: Store | None = None,
+    *,
+    pull: Pull | None = None,
+    status: Callable[[str], None] | None = None,
+) -> ModelFile:
+    """The model a `run`, `show`, `bench` or `serve` argument names: a .gguf path (used in place,
+    not registered), an installed model, or, given `pull`, one pulled now (saying so to `status`).
+
+    Without `pull`, a model that is not installed is a LocalLLMError saying how to pull it. The
+    download stack (httpx, huggingface_hub) is never imported here: only `pull` may need it.
+    """
+    if is_path(name_or_path):
+        path = Path(name_or_path).expanduser()
+        check_not_a_directory(path, name_or_path)
+        if not path.is_file():
+            raise LocalLLMError(f"model file {name_or_path} not found")
+        return ModelFile(path.resolve(), path.name)
+    store = store or Store()
+    installed = store.resolve(name_or_path)
+    if installed is None:
+        known = store.manifest(name_or_path)
+        if known is not None:
+            raise LocalLLMError(
+                f"the file of {known.name} ({known.path}) is missing; "
+                f"pull it again, or forget it with `localllm rm {known.name}`"
+            )
+        message, to_pull = _not_installed(store, name_or_path)
+        if pull is None:
+            raise LocalLLMError(f"model {message}; run `localllm pull {to_pull}` first")
+        if status is not None:
+            status(f"{message}; pulling {'it' if to_pull == name_or_path else to_pull}")
+        installed = pull(name_or_path, store)
+    return ModelFile(installed.path, installed.name, installed)
+
+
+def _not_installed(store: Store, name: str) -> tuple[str, str]:
+    """(what to say about `name`, which is not installed; the name to pull).
+
+    A name without a tag means its default one (`gemma3` is `gemma3:1b`): that is said, with the
+    tags of the same model that are installed, in case one of them was meant.
+    """
+    canonical = store.canonical_name(name)
+    means = ":" not in name.rpartition("/")[2] and canonical != name.lower()
+    family = canonical.partition(":")[0]
+    others = [
+        m.name
+        for m in store.list()
+        if m.name.partition(":")[0] == family and m.name != canonical and m.path.is_file()
+    ]
+    message = (
+        f"{name} means {canonical}, which is not installed" if means else f"{name} is not installed"
+    )
+    if others:
+        message += f" (installed: {', '.join(others)})"
+    return message, canonical if means else name

@@ -12,10 +12,13 @@ from pathlib import Path
 import pytest
 from conftest import model_path
 
-from localllm.chat import ChatSession, ContextFull, Conversation, Options, format_stats
+from localllm.chat import ChatSession, WordWrap, terminal_width
+from localllm.conversation import ContextFull, Conversation
+from localllm.describe import format_stats
 from localllm.errors import LocalLLMError
 from localllm.generate import generate
 from localllm.models import load_model
+from localllm.options import Options
 from localllm.prompt import chat_prompt_ids
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -330,3 +333,80 @@ def test_ctrl_d_exits_the_terminal_chat_with_0():
     finally:
         child.close()
     assert child.exitstatus == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Word wrap of a streamed reply
+
+
+def wrapped(pieces: list[str], width: int) -> str:
+    out = io.StringIO()
+    wrap = WordWrap(out.write, width)
+    for piece in pieces:
+        wrap.write(piece)
+    wrap.flush()
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("pieces", "width", "expected"),
+    [
+        # pieces split words anywhere; lines break at spaces
+        (["The qu", "ick brown", " fox jumps over the lazy dog."], 10,
+         "The quick\nbrown fox\njumps over\nthe lazy\ndog."),
+        (["a b c d e f g"], 3, "a b\nc d\ne f\ng"),
+        (["exactly ten"], 7, "exactly\nten"),  # a word that fills the line exactly
+        # newlines in the reply are kept, and indentation after them
+        (["Hi!\n\n", "  - one\n  - two"], 20, "Hi!\n\n  - one\n  - two"),
+        # a word longer than the line still breaks, at the line's end
+        (["abcdefghijkl", "mnop"], 5, "abcde\nfghij\nklmno\np"),
+        (["xx abcdefghijk yy"], 5, "xx\nabcde\nfghij\nk yy"),
+    ],
+)  # fmt: skip
+def test_word_wrap_breaks_lines_at_spaces(pieces, width, expected):
+    assert wrapped(pieces, width) == expected
+    assert all(len(line) <= width for line in expected.splitlines())
+
+
+def test_word_wrap_holds_the_word_back_until_it_ends():
+    out = io.StringIO()
+    wrap = WordWrap(out.write, 12)
+    wrap.write("Hello wor")
+    assert out.getvalue() == "Hello"  # "wor" may go on: it waits for a space or a newline
+    wrap.write("ld, again")
+    assert out.getvalue() == "Hello world,"
+    wrap.write("\n")
+    assert out.getvalue() == "Hello world,\nagain\n"
+
+
+def test_the_chat_wraps_replies_at_the_width_and_only_on_a_terminal(smollm):
+    conversation = Conversation(smollm, options=greedy(40))
+    chat, out = session(conversation, ["Write a sentence about the sea."])
+    chat.width = 20
+    chat.run()
+    reply = conversation.messages[-1]["content"]
+    shown = out.getvalue().split(">>> ")[1].rstrip("\n")  # the reply, between two prompts
+    assert len(reply) > 40 and "\n" in shown
+    assert all(len(line) <= 20 for line in shown.splitlines())
+    assert shown.split() == reply.split()  # no word was cut in two
+    # Not a terminal and no width given: the reply is written as it came.
+    assert terminal_width(io.StringIO()) is None
+    conversation = Conversation(smollm, options=greedy(40))
+    chat, out = session(conversation, ["Write a sentence about the sea."])
+    chat.run()
+    assert conversation.messages[-1]["content"] in out.getvalue()
+
+
+def test_show_info_has_the_rows_of_show_and_the_quantization(smollm):
+    from localllm.describe import describe_model, info_rows
+
+    chat, out = session(Conversation(smollm, options=greedy(2)), ["/show info"])
+    chat.run()
+    text = out.getvalue()
+    assert "  model             smollm\n" in text
+    assert "  quantization      Q4_1\n" in text  # as `localllm show` reports it
+    assert "  parameters        134.52M\n" in text
+    assert re.search(r"^  context length    512 \(\d+ in use\)$", text, re.M)
+    assert "  training context  8192\n" in text
+    for label, _ in info_rows(describe_model(smollm.gguf)):
+        assert f"\n  {label} " in text or label == "context length"

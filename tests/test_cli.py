@@ -7,10 +7,13 @@ LOCALLLM_HOME from conftest; pulls go to the fake Hub of test_pull.py, never to 
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -50,6 +53,11 @@ def expected_reply(model, ids: list[int], n: int) -> str:
     a one-token step from the cache may round differently)."""
     model.transformer.cache.clear()
     return generate(model, ids, max_tokens=n)
+
+
+def printed(reply: str) -> str:
+    """What the one-shot run writes for a reply: it, ending with exactly one newline."""
+    return reply if reply.endswith("\n") else reply + "\n"
 
 
 @pytest.fixture
@@ -102,7 +110,7 @@ def test_piped_stdin_then_prompt_prints_only_the_reply(smollm):
     # stdin, a blank line, then PROMPT, through the chat template.
     text = piped.rstrip("\n") + "\n\nSummarize in a few words."
     ids = chat_prompt_ids(smollm, [{"role": "user", "content": text}])
-    assert result.stdout == expected_reply(smollm, ids, 6)
+    assert result.stdout == printed(expected_reply(smollm, ids, 6))
     assert result.stdout.strip()
     assert "\x1b" not in result.stdout and "\x1b" not in result.stderr
     assert result.stderr == ""  # no spinner, no progress, no stats without --verbose
@@ -114,7 +122,7 @@ def test_raw_greedy_output_is_deterministic_and_equals_generate(smollm):
     first, second = invoke(*args), invoke(*args)
     assert first.exit_code == 0, first.output
     expected = expected_reply(smollm, raw_prompt_ids(smollm, "The capital of France is"), 4)
-    assert first.stdout == second.stdout == expected
+    assert first.stdout == second.stdout == printed(expected)
     assert "Paris" in expected
 
 
@@ -126,7 +134,7 @@ def test_system_prompt_threads_and_verbose_stats(smollm):
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
-    assert result.stdout == expected_reply(smollm, chat_prompt_ids(smollm, messages), 3)
+    assert result.stdout == printed(expected_reply(smollm, chat_prompt_ids(smollm, messages), 3))
     # Ollama's --verbose block, on stderr only.
     for field in ("total duration", "load duration", "prompt eval count", "prompt eval rate"):
         assert field + ":" in result.stderr
@@ -394,7 +402,7 @@ def test_run_pulls_a_missing_model_first(hub, smollm):
     assert result.exit_code == 0, result.output
     assert "not installed; pulling" in result.stderr
     ids = chat_prompt_ids(smollm, [{"role": "user", "content": "Hi"}])
-    assert result.stdout == expected_reply(smollm, ids, 3)
+    assert result.stdout == printed(expected_reply(smollm, ids, 3))
     [model] = Store().list()
     assert model.name == "hf.co/tester/smol-GGUF:Q4_1" and model.size == source.stat().st_size
     n_requests = len(hub.requests)
@@ -411,3 +419,144 @@ def test_a_registered_file_that_vanished_is_reported(tmp_path):
     result = invoke("run", "tiny-copy", "Hi")
     assert result.exit_code == 1
     assert "is missing" in one_error_line(result.stderr)
+
+
+def test_finding_an_installed_model_does_not_import_the_download_stack(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(DATA)
+    Store().register_file(path)
+    code = (
+        "import sys; from localllm.cli import find_or_pull; found = find_or_pull('tiny'); "
+        "print(found.name, any(m in sys.modules for m in ('httpx2', 'huggingface_hub')))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["tiny", "False"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the one-shot reply's final newline
+
+
+class Piece:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def pieces(*texts: str, interrupt: bool = False):
+    for text in texts:
+        yield Piece(text)
+    if interrupt:
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize(
+    ("texts", "written"),
+    [
+        (["Hello", " world"], "Hello world\n"),
+        (["Hello", " world\n"], "Hello world\n"),  # already ends with one: none added
+        (["one\n", "two", ""], "one\ntwo\n"),  # the last piece is often empty
+        (["done\n", ""], "done\n"),
+        ([""], "\n"),  # an empty reply is still one (empty) line
+    ],
+)
+def test_a_one_shot_reply_ends_with_exactly_one_newline(texts, written):
+    from localllm.cli import _print_reply
+
+    out = io.StringIO()  # not a terminal, like a pipe or a file
+    final = _print_reply(pieces(*texts), out)
+    assert out.getvalue() == written and final.text == texts[-1]
+
+
+def test_an_interrupted_one_shot_reply_still_ends_its_line():
+    from localllm.cli import _print_reply
+
+    out = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        _print_reply(pieces("Once upon", " a", interrupt=True), out)
+    assert out.getvalue() == "Once upon a\n"
+    out = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        _print_reply(pieces(interrupt=True), out)  # before any text: nothing at all
+    assert out.getvalue() == ""
+
+
+def test_wc_l_counts_a_one_shot_reply_and_a_file_gets_a_final_newline(smollm, tmp_path):
+    prompt = "The capital of France is"
+    args = [*LOCALLLM, "run", str(model_path("smollm2-135m")), prompt, "--raw"]
+    args += ["--temperature", "0", "-n", "4", *FAST]
+    out_file = tmp_path / "out.txt"
+    command = f"{shlex.join(args)} | tee {shlex.quote(str(out_file))} | wc -l"
+    result = subprocess.run(
+        command, shell=True, capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    expected = printed(expected_reply(smollm, raw_prompt_ids(smollm, prompt), 4))
+    assert out_file.read_text() == expected and expected.endswith("\n")
+    assert int(result.stdout) == expected.count("\n") >= 1
+
+
+def test_pull_of_a_broken_file_registers_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with open(model_path("smollm2-135m"), "rb") as f:
+        (tmp_path / "broken.gguf").write_bytes(f.read(3_000_000))  # cut in the tensor data
+    result = invoke("pull", "./broken.gguf")
+    assert result.exit_code == 1
+    error = one_error_line(result.stderr)
+    assert "broken.gguf" in error and "runs past the end of the file" in error
+    assert Store().list() == []
+
+
+@pytest.mark.parametrize("command", ["run", "show", "pull"])
+def test_a_directory_given_as_the_model_says_so(tmp_path, monkeypatch, command):
+    (tmp_path / "somedir").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for given in ["./somedir", str(tmp_path)]:
+        result = invoke(command, given, *(["Hi"] if command == "run" else []))
+        assert result.exit_code == 1
+        error = one_error_line(result.stderr)
+        assert error.startswith(f"Error: {given} is a directory, not a .gguf file; give the path")
+        assert result.stdout == ""
+
+
+def test_run_of_a_bare_name_names_the_default_tag_it_pulls_and_the_installed_ones(hub):
+    from localllm.store import load_catalog
+
+    default = load_catalog().defaults["gemma3"]
+    other = next(n for n in load_catalog().entries if n.startswith("gemma3:") and n != default)
+    entry = load_catalog().get(default)
+    if entry.sha256 is not None or entry.hf_repo is None:
+        pytest.skip(f"{default} is pinned to a checksum the fake Hub cannot serve")
+    hub.files[f"{entry.hf_repo}/{entry.hf_file}"] = model_path("smollm2-135m").read_bytes()
+    store = Store()
+    store.tmp_dir.mkdir(parents=True)
+    (store.tmp_dir / "incoming").write_bytes(DATA)
+    sha256 = hashlib.sha256(DATA).hexdigest()
+    store.install(other, store.tmp_dir / "incoming", sha256=sha256, source="test")
+    result = invoke("run", "gemma3", "Hi", "--temperature", "0", "-n", "2", *FAST)
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[0] == (
+        f"gemma3 means {default}, which is not installed (installed: {other}); pulling {default}"
+    )
+    assert [m.name for m in Store().list()] == sorted([default, other])
+
+
+def test_version_comes_from_the_installed_package():
+    from importlib.metadata import version
+
+    result = localllm("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"localllm {version('localllm')}\n" and result.stderr == ""
+
+
+def test_ls_is_list(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(DATA)
+    Store().register_file(path)
+    for args in (["ls"], ["ls", "--json"]):
+        listed, aliased = invoke("list", *args[1:]), invoke(*args)
+        assert aliased.exit_code == 0, aliased.output
+        assert aliased.stdout == listed.stdout and "tiny" in aliased.stdout
+    assert "(also: ls)" in invoke("--help").stdout

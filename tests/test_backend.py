@@ -1,0 +1,82 @@
+"""The backend Protocol: CPUBackend and CUDABackend both provide it, and the model needs no more.
+
+The CUDA module imports on numba's simulator (conftest sets NUMBA_ENABLE_CUDASIM=1), so this
+runs without a GPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+from conftest import model_path
+
+from localllm.backend import Backend, CPUBackend
+from localllm.models import load_model
+
+PROTOCOL_METHODS = sorted(
+    name for name, member in vars(Backend).items() if callable(member) and not name.startswith("_")
+)
+
+
+def parameters(function) -> list[tuple]:
+    """(name, kind, has a default) of each parameter: the shape of a call, not its annotations."""
+    return [
+        (p.name, p.kind, p.default is not inspect.Parameter.empty)
+        for p in inspect.signature(function).parameters.values()
+    ]
+
+
+def backend_classes() -> list[type]:
+    pytest.importorskip("numba_cuda")
+    from localllm.cuda.backend import CUDABackend
+
+    return [CPUBackend, CUDABackend]
+
+
+def test_the_protocol_lists_what_the_model_calls():
+    assert "linear" in PROTOCOL_METHODS and "attention" in PROTOCOL_METHODS
+    assert len(PROTOCOL_METHODS) == 18
+
+
+@pytest.mark.parametrize("method", PROTOCOL_METHODS)
+def test_both_backends_have_each_method_with_its_signature(method):
+    expected = parameters(getattr(Backend, method))
+    for cls in backend_classes():
+        implementation = getattr(cls, method, None)
+        assert callable(implementation), f"{cls.__name__} lacks {method}"
+        assert parameters(implementation) == expected, f"{cls.__name__}.{method}"
+
+
+def test_both_backends_are_backends():
+    for cls in backend_classes():
+        assert isinstance(cls.name, str) and cls.name
+    assert isinstance(CPUBackend(n_threads=1), Backend)
+
+
+class OnlyTheProtocol:
+    """A CPUBackend that refuses every attribute the Protocol does not list."""
+
+    def __init__(self) -> None:
+        self._inner = CPUBackend()
+        self.calls: set[str] = set()
+
+    def __getattr__(self, name: str):
+        if name not in PROTOCOL_METHODS and name != "name":
+            raise AssertionError(f"the model used backend.{name}, which the Protocol lacks")
+        self.calls.add(name)
+        return getattr(self._inner, name)
+
+
+def test_the_model_calls_only_protocol_methods():
+    backend = OnlyTheProtocol()
+    model = load_model(model_path("smollm2-135m"), n_ctx=64, backend=backend)
+    try:
+        ids = model.tokenizer.encode("Hello there", add_special=True)
+        logits = model.transformer.forward(ids, 0)  # prefill
+        logits = model.transformer.forward([int(np.argmax(logits))], len(ids))  # one decode step
+        assert np.isfinite(logits).all()
+    finally:
+        model.close()
+    assert {"weight", "vector", "zeros", "linear_many", "attention"} <= backend.calls
