@@ -7,6 +7,7 @@ map and dequantizes blocks on the fly inside Numba kernels.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -33,6 +34,10 @@ class Backend(Protocol):
     """
 
     name: str  # "cpu", "cuda": what `bench` reports
+
+    def step(self, n_tokens: int) -> AbstractContextManager:
+        """A context around one forward chunk of n_tokens (the CPU picks its threads there)."""
+        ...
 
     def weight(self, tensor: TensorInfo) -> Any:
         """A 2-D weight for `linear`/`embed`, in whatever form the backend runs it."""
