@@ -20,8 +20,8 @@ from pathlib import Path
 
 import gguf as gguf_py
 import pytest
-from conftest import model_path
 from gguf_writer import write_gguf
+from real_models import model_path
 from test_pull import DATA, FILE, REPO, FakeHub
 from typer.testing import CliRunner
 

@@ -10,7 +10,6 @@ import time
 import gguf
 import numpy as np
 import pytest
-from conftest import model_path
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf_writer import (
     gguf_bytes,
@@ -21,6 +20,7 @@ from gguf_writer import (
     tensor_nbytes,
     write_gguf,
 )
+from real_models import model_path
 
 from localllm.errors import LocalLLMError
 from localllm.gguf import GGUFFile, TensorInfo, read_gguf

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from conftest import model_path
+from real_models import model_path
 
 SCRIPT = """
 import json, sys

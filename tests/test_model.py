@@ -1,8 +1,8 @@
-"""Whole-model output against llama.cpp's (../shared/reference/), on the three real models."""
+"""Whole-model output against llama.cpp's (tests/reference/), on the three real models."""
 
 import numpy as np
 import pytest
-from conftest import MODEL_NAMES, model_path, reference
+from real_models import MODEL_NAMES, model_path, reference
 
 from localllm.backend import CPUBackend
 from localllm.generate import stream_generate

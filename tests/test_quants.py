@@ -7,8 +7,8 @@ import functools
 import gguf
 import numpy as np
 import pytest
-from conftest import model_path
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from real_models import model_path
 
 from localllm.errors import LocalLLMError
 from localllm.quants import QUANT_TYPES, dequantize, get_quant_type, matmul, matvec

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from conftest import model_path
+from real_models import model_path
 
 from localllm.errors import LocalLLMError
 from localllm.generate import generate

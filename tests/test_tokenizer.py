@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import MODEL_NAMES, model_path, reference
+from real_models import MODEL_NAMES, model_path, reference
 
 from localllm.errors import LocalLLMError
 from localllm.gguf import read_gguf
