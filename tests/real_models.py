@@ -1,38 +1,65 @@
-"""The three real test models, and llama.cpp's output for them (tests/reference/)."""
+"""The three real test models, fetched on first use, and llama.cpp's output for them.
+
+A test asks for a model with `model_path(name)`. The first ask in a session runs the fetch code
+of scripts/fetch-test-models (in this process, through runpy: its table of files, sizes and
+checksums stays the only one), which downloads and verifies the model into
+$LOCALLLM_TEST_MODELS (default ~/.cache/localllm/test-models) when it is missing and costs one
+stat() when it is there. A model that cannot be had makes its tests skip, or fail under CI=true;
+conftest.py says so once, at the end of the run.
+
+`reference(name)` is llama.cpp's output for a model, from tests/reference/ (made by
+scripts/make-llama-cpp-references).
+"""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import runpy
+import subprocess
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
+FETCH_COMMAND = ".venv/bin/python scripts/fetch-test-models"
 
-# test name -> file name inside $LOCALLLM_TEST_MODELS (see scripts/fetch-test-models)
-MODEL_FILES = {
-    "smollm2-135m": "SmolLM2-135M-Instruct.Q4_1.gguf",
-    "gemma3-270m": "gemma-3-270m-q4_k_m.gguf",
-    "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-}
-MODEL_NAMES = list(MODEL_FILES)
+_fetch_script = runpy.run_path(str(REPO / "scripts" / "fetch-test-models"))
+MODEL_NAMES = list(_fetch_script["MODELS"])
+
+# In the message of every skip (or CI failure) for want of a model: conftest counts them by it.
+UNAVAILABLE = "real test model unavailable"
+# model name -> why it could not be fetched, for the summary at the end of the run
+problems: dict[str, str] = {}
+
+
+@functools.cache
+def _fetch(name: str) -> Path | None:
+    """The model's path, downloaded if missing; None (and the reason in `problems`) on failure."""
+    try:
+        return _fetch_script["fetch"](name)
+    except SystemExit as e:  # the script's own errors: "Error: ..."
+        problems[name] = str(e.code).removeprefix("Error: ")
+    except (OSError, subprocess.SubprocessError) as e:
+        problems[name] = f"{type(e).__name__}: {e}"
+    return None
 
 
 def models_dir() -> Path:
-    default = Path.home() / ".cache" / "localllm" / "test-models"
-    return Path(os.environ.get("LOCALLLM_TEST_MODELS", default))
+    return _fetch_script["models_dir"]()
 
 
 def model_path(name: str) -> Path:
-    """Path of a real test model; under CI a missing model fails the test, elsewhere it skips."""
-    path = models_dir() / MODEL_FILES[name]
-    if not path.exists():
-        message = f"test model {name} not found at {path}; run scripts/fetch-test-models"
+    """Path of a real test model, fetched on first use; without it the test skips (under
+    CI=true it fails)."""
+    path = _fetch(name)
+    if path is None:
         if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+            pytest.fail(f"{UNAVAILABLE}: {name} ({problems[name]})")
+        # One message for every model, so that `-ra` folds the skips into one line.
+        pytest.skip(f"{UNAVAILABLE} (see the summary at the end of the run)")
     return path
 
 
