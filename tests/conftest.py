@@ -2,7 +2,7 @@
 when real test models were missing (they are fetched on first use: tests/real_models.py).
 
 Tests import what they share from helper modules beside this file (real_models.py,
-gguf_writer.py), never from conftest.
+gguf_writer.py, fake_hub.py, random_blocks.py), never from conftest or from one another.
 """
 
 from __future__ import annotations

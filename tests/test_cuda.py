@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf_writer import write_gguf
-from test_quants import F16_FIELDS
+from random_blocks import F16_FIELDS
 
 from localllm import cuda as localllm_cuda
 from localllm import ops

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_quants import ggml_id, random_weights, read_only
+from random_blocks import ggml_id, random_weights, read_only
 
 from localllm.quants import dequantize, get_quant_type, intdot
 from localllm.quants.activations import VEC_DOT_TYPES, round_activations
