@@ -44,6 +44,8 @@ class FakeHub:
         self.corrupt: set[str] = set()  # keys whose body has one byte flipped
         self.redirect = False  # resolve answers 302 to /cdn/ with X-Linked-* headers
         self.delay_s = 0.0  # pause between body chunks
+        # When set to an Event: each body stops after its first chunk until the event is set.
+        self.hold: threading.Event | None = None
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -126,6 +128,8 @@ class FakeHub:
             return
         for i in range(0, len(body), 64 * 1024):
             h.wfile.write(body[i : i + 64 * 1024])
+            if self.hold is not None:
+                self.hold.wait(60)  # the test sets it; 60 s only so that nothing hangs forever
             time.sleep(self.delay_s)
 
     def reply(self, h, status: int, body: bytes, headers: dict | None = None) -> None:
