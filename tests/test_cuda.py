@@ -349,6 +349,7 @@ class ExactLinearCPU(CPUBackend):
         return tuple(outs)
 
 
+@pytest.mark.slow
 @needs_cuda
 def test_cuda_forward_matches_cpu(tmp_path):
     """Prefill in two chunks (all logits), then a cached decode step: CUDA logits vs the CPU's."""

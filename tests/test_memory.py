@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from real_models import model_path
 
 SCRIPT = """
@@ -21,6 +22,7 @@ print(json.dumps({"peak_mb": peak_rss_mb(),
 """
 
 
+@pytest.mark.slow
 def test_peak_rss_is_file_plus_kv_cache_not_a_float32_copy():
     path = model_path("qwen2.5-coder-0.5b")  # the largest test model: 469 MiB, 630M weights
     # Twice: a first run on a cold Numba cache also holds LLVM's compiler (~150 MiB more); the

@@ -12,6 +12,7 @@ from random_blocks import ggml_id, random_weights, read_only
 from real_models import model_path
 
 from localllm.errors import LocalLLMError
+from localllm.gguf import GGUFFile, read_gguf
 from localllm.quants import QUANT_TYPES, dequantize, get_quant_type, matmul, matvec
 
 ALL_TYPES = [qt.name for qt in QUANT_TYPES.values()]
@@ -137,18 +138,19 @@ def test_dequantize_keeps_leading_dims():
 
 
 @functools.cache
-def _reader(model: str) -> gguf.GGUFReader:
-    return gguf.GGUFReader(model_path(model))
+def _reader(model: str) -> GGUFFile:
+    # Our reader, not gguf-py's: the bytes are the same (test_gguf.py compares the two readers),
+    # and gguf-py takes ~10 s to parse the vocabularies of gemma3 and qwen2.5.
+    return read_gguf(model_path(model))
 
 
 def real_tensor(model: str, name: str, max_rows: int = 256):
     """(tensor name, raw uint8[n_rows, row_bytes]) of the first tensor of that type in the model."""
-    reader = _reader(model)
-    for tensor in reader.tensors:
-        if tensor.tensor_type.name == name:
+    for tensor in _reader(model).tensors.values():
+        if tensor.type_name == name:
             data = tensor.data
             rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
-            return tensor.name, rows[:max_rows].view(np.uint8)
+            return tensor.name, rows[:max_rows]
     raise AssertionError(f"{model} has no {name} tensor")
 
 
