@@ -141,6 +141,7 @@ def run_for_target(instruction_set, tmp_path: Path, *args: str) -> str:
     return result.stdout
 
 
+@pytest.mark.slow  # two subprocesses that compile every kernel afresh
 @pytest.mark.parametrize("instruction_set", ["avx2", "vnni"])
 def test_other_instruction_sets(instruction_set, tmp_path):
     """The AVX2 (vpmaddubsw) and AVX-VNNI (VEX vpdpbusd) variants pass the tests above."""
