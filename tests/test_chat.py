@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import model_path
+from real_models import model_path
 
 from localllm.chat import ChatSession, WordWrap, terminal_width
 from localllm.conversation import ContextFull, Conversation

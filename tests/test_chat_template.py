@@ -8,8 +8,8 @@ from datetime import datetime
 from typing import Any
 
 import pytest
-from conftest import model_path
 from jinja2.sandbox import MAX_RANGE
+from real_models import model_path
 
 from localllm.chat_template import (
     MAX_LENGTH,

@@ -2,7 +2,7 @@
 
 Every model command runs on the smallest real model (smollm2-135m) with `-c 512`, a few tokens
 and `--device cpu`, so the tests do not depend on a GPU being there. The store is the temporary
-LOCALLLM_HOME from conftest; pulls go to the fake Hub of test_pull.py, never to the network.
+LOCALLLM_HOME from conftest; pulls go to the fake Hub of fake_hub.py, never to the network.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import gguf as gguf_py
 import pytest
-from conftest import model_path
+from fake_hub import DATA, FILE, REPO, FakeHub
 from gguf_writer import write_gguf
-from test_pull import DATA, FILE, REPO, FakeHub
+from real_models import model_path
 from typer.testing import CliRunner
 
 from localllm.cli import app

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf_writer import write_gguf
-from test_quants import F16_FIELDS
+from random_blocks import F16_FIELDS
 
 from localllm import cuda as localllm_cuda
 from localllm import ops
@@ -349,6 +349,7 @@ class ExactLinearCPU(CPUBackend):
         return tuple(outs)
 
 
+@pytest.mark.slow
 @needs_cuda
 def test_cuda_forward_matches_cpu(tmp_path):
     """Prefill in two chunks (all logits), then a cached decode step: CUDA logits vs the CPU's."""

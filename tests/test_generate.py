@@ -5,7 +5,7 @@ import signal
 import threading
 
 import pytest
-from conftest import model_path
+from real_models import model_path
 
 from localllm.generate import generate, stream_generate
 from localllm.models import load_model

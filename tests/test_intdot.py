@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_quants import ggml_id, random_weights, read_only
+from random_blocks import ggml_id, random_weights, read_only
 
 from localllm.quants import dequantize, get_quant_type, intdot
 from localllm.quants.activations import VEC_DOT_TYPES, round_activations
@@ -149,6 +149,7 @@ def run_for_target(instruction_set, tmp_path: Path, *args: str) -> str:
     return result.stdout
 
 
+@pytest.mark.slow  # two subprocesses that compile every kernel afresh
 @pytest.mark.parametrize("instruction_set", ["avx2", "vnni"])
 def test_other_instruction_sets(instruction_set, tmp_path):
     """The AVX2 (vpmaddubsw) and AVX-VNNI (VEX vpdpbusd) variants pass the tests above."""

@@ -4,7 +4,8 @@ import json
 import subprocess
 import sys
 
-from conftest import model_path
+import pytest
+from real_models import model_path
 
 SCRIPT = """
 import json, sys
@@ -21,6 +22,7 @@ print(json.dumps({"peak_mb": peak_rss_mb(),
 """
 
 
+@pytest.mark.slow
 def test_peak_rss_is_file_plus_kv_cache_not_a_float32_copy():
     path = model_path("qwen2.5-coder-0.5b")  # the largest test model: 469 MiB, 630M weights
     # Twice: a first run on a cold Numba cache also holds LLVM's compiler (~150 MiB more); the

@@ -1,8 +1,8 @@
-"""Whole-model output against llama.cpp's (../shared/reference/), on the three real models."""
+"""Whole-model output against llama.cpp's (tests/reference/), on the three real models."""
 
 import numpy as np
 import pytest
-from conftest import MODEL_NAMES, model_path, reference
+from real_models import MODEL_NAMES, model_path, reference
 
 from localllm.backend import CPUBackend
 from localllm.generate import stream_generate
@@ -47,6 +47,7 @@ def test_teacher_forced_top1_and_logits(loaded):
             assert best in allowed, (name, case["prompt"], i, best, top)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("integer_decode", [True, False], ids=["integer", "float"])
 def test_greedy_continuation_matches_llama_cpp(loaded, integer_decode):
     """Both decode kernels: integer dot products (x86 SIMD) and float ones (any CPU)."""
@@ -80,6 +81,7 @@ def check_greedy(name, model):
             assert text == case["greedy_text"], (name, text)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_cached_decoding_equals_full_pass(name):
     """One token at a time through the KV cache gives the logits of one full-sequence pass.

@@ -7,63 +7,21 @@ import functools
 import gguf
 import numpy as np
 import pytest
-from conftest import model_path
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from random_blocks import ggml_id, random_weights, read_only
+from real_models import model_path
 
 from localllm.errors import LocalLLMError
+from localllm.gguf import GGUFFile, read_gguf
 from localllm.quants import QUANT_TYPES, dequantize, get_quant_type, matmul, matvec
 
 ALL_TYPES = [qt.name for qt in QUANT_TYPES.values()]
-# byte offsets of the f16 scale fields inside one block
-F16_FIELDS = {
-    "Q4_0": (0,),
-    "Q4_1": (0, 2),
-    "Q5_0": (0,),
-    "Q5_1": (0, 2),
-    "Q8_0": (0,),
-    "Q2_K": (80, 82),
-    "Q3_K": (108,),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
-}
 # the types each real model stores its weights in
 REAL_TYPES = {
     "smollm2-135m": ["F32", "Q4_1", "Q8_0"],
     "gemma3-270m": ["F32", "Q4_K", "Q5_0", "Q6_K", "Q8_0"],
     "qwen2.5-coder-0.5b": ["F32", "Q4_K", "Q5_0", "Q6_K", "Q8_0"],
 }
-
-
-def ggml_id(name: str) -> int:
-    return int(GGMLQuantizationType[name])
-
-
-def read_only(a: np.ndarray) -> np.ndarray:
-    """Like a read-only memmap view: the one weight signature the kernels get compiled for."""
-    a = np.ascontiguousarray(a)
-    a.flags.writeable = False
-    return a
-
-
-def random_weights(name: str, n_rows: int, n_cols: int, rng, scale_range=(-0.05, 0.05)):
-    """Random valid raw rows: random quant bytes, finite f16 scales (some zero or subnormal)."""
-    if name == "F32":
-        return rng.standard_normal((n_rows, n_cols)).astype(np.float32).view(np.uint8)
-    if name == "F16":
-        return rng.standard_normal((n_rows, n_cols)).astype(np.float16).view(np.uint8)
-    if name == "BF16":
-        bits = rng.standard_normal((n_rows, n_cols)).astype(np.float32).view(np.uint32) >> 16
-        return bits.astype(np.uint16).view(np.uint8)
-    qt = get_quant_type(ggml_id(name))
-    n_blocks = n_cols // qt.block_size
-    raw = rng.integers(0, 256, size=(n_rows, n_blocks, qt.type_size), dtype=np.uint8)
-    for offset in F16_FIELDS[name]:
-        scales = rng.uniform(*scale_range, size=(n_rows, n_blocks)).astype(np.float16)
-        scales.flat[::17] = 0.0
-        scales.flat[5::23] = np.float16(3e-6)  # subnormal in f16
-        raw[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(n_rows, n_blocks, 2)
-    return raw.reshape(n_rows, n_blocks * qt.type_size)
 
 
 def assert_bit_exact(ours: np.ndarray, ref: np.ndarray) -> None:
@@ -180,18 +138,19 @@ def test_dequantize_keeps_leading_dims():
 
 
 @functools.cache
-def _reader(model: str) -> gguf.GGUFReader:
-    return gguf.GGUFReader(model_path(model))
+def _reader(model: str) -> GGUFFile:
+    # Our reader, not gguf-py's: the bytes are the same (test_gguf.py compares the two readers),
+    # and gguf-py takes ~10 s to parse the vocabularies of gemma3 and qwen2.5.
+    return read_gguf(model_path(model))
 
 
 def real_tensor(model: str, name: str, max_rows: int = 256):
     """(tensor name, raw uint8[n_rows, row_bytes]) of the first tensor of that type in the model."""
-    reader = _reader(model)
-    for tensor in reader.tensors:
-        if tensor.tensor_type.name == name:
+    for tensor in _reader(model).tensors.values():
+        if tensor.type_name == name:
             data = tensor.data
             rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
-            return tensor.name, rows[:max_rows].view(np.uint8)
+            return tensor.name, rows[:max_rows]
     raise AssertionError(f"{model} has no {name} tensor")
 
 

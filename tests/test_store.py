@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, model_path
 from gguf_writer import gguf_bytes
+from real_models import REPO, model_path
 
 from localllm import store as store_mod
 from localllm.errors import LocalLLMError
