@@ -1,6 +1,7 @@
 """`localllm serve`: an OpenAI-compatible HTTP API on localhost (FastAPI + uvicorn).
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health.
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health,
+and of Ollama's API what `localllm ps`/`stop` use (`server_ollama`).
 Requests are validated here, prompts built by `localllm.prompt`, sampling set up by
 `localllm.sampling`, and every model step runs on the engine thread (`server_engine`), which
 interleaves concurrent requests token by token, each with its own KV cache.
@@ -18,11 +19,14 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import socket
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
+from localllm import server_ollama
 from localllm.errors import LocalLLMError
 from localllm.generate import stream_generate
 from localllm.models import DEFAULT_CTX, Model, load_model
@@ -78,6 +83,37 @@ class ServedModel:
     path: Path
 
 
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model in memory, as GET /api/ps reports it (taken when it is loaded)."""
+
+    id: str
+    path: Path
+    architecture: str
+    n_params: int
+    quant: str | None
+    n_ctx: int
+    nbytes: int  # the file plus the KV cache of one full context
+    device: str  # the backend's name: "cpu" or "cuda"
+    stopping_since: datetime | None = None  # set while an unload waits for running requests
+
+    @classmethod
+    def of(cls, model_id: str, model: Model) -> LoadedModel:
+        from localllm.store import detect_quant
+
+        transformer = model.transformer
+        return cls(
+            id=model_id,
+            path=model.path,
+            architecture=str(model.metadata.get("general.architecture", "")),
+            n_params=sum(math.prod(t.shape) for t in model.gguf.tensors.values()),
+            quant=detect_quant(model.path),
+            n_ctx=model.n_ctx,
+            nbytes=model.gguf.file_size + transformer.cache.nbytes,
+            device=getattr(transformer.backend, "name", "cpu"),
+        )
+
+
 class ModelPool:
     """The served models, loaded on first use (on the engine thread) and kept loaded.
 
@@ -99,6 +135,12 @@ class ModelPool:
         self._loaded: dict[str, Model] = {}
         self._ctx_lengths: dict[str, int] = {}
         self._fixed: dict[str, ServedModel] | None = None
+        # What /api/ps reports and unloading needs (see the methods after context_length).
+        self._lock = threading.Lock()  # guards _info, _stopping and _digests
+        self._info: dict[str, LoadedModel] = {}  # id -> the loaded model, as /api/ps says
+        self._stopping: dict[str, datetime] = {}  # id -> when its unload was asked for
+        self._running: dict[str, int] = {}  # id -> sequences using it (engine thread only)
+        self._digests: dict[Path, str] = {}
         if specs:
             self._fixed = {}
             for spec in specs:
@@ -145,6 +187,8 @@ class ModelPool:
             n_ctx, n_threads, device = self._load_args
             model = load_model(served.path, n_ctx=n_ctx, n_threads=n_threads, device=device)
             self._loaded[served.id] = model
+            with self._lock:
+                self._info[served.id] = LoadedModel.of(served.id, model)
             log.info("loaded %s (context %d) in %.1f s", served.id, model.n_ctx, model.load_seconds)
         return model
 
@@ -168,11 +212,86 @@ class ModelPool:
             self._ctx_lengths[served.id] = min(n_train, DEFAULT_CTX)
         return self._ctx_lengths[served.id]
 
+    # Unloading. A model is only closed on the engine thread, between two steps, and only when
+    # no sequence is using it: asked while requests run on it, the unload waits for the last of
+    # them to end (new ones may still join; /api/ps shows it as stopping meanwhile). A sequence
+    # takes the model from the pool when it starts, so one that was queued behind an unload
+    # loads the model again instead of running on a closed one.
+
+    def checkout(self, served: ServedModel) -> Model:
+        """The loaded model for a sequence starting now (engine thread; loads it if needed)."""
+        model = self._load_on_engine(served)
+        self._running[served.id] = self._running.get(served.id, 0) + 1
+        return model
+
+    def checkin(self, served: ServedModel) -> None:
+        """A sequence is done with its model (engine thread); a pending unload happens now."""
+        self._running[served.id] -= 1
+        if not self._running[served.id] and served.id in self._stopping:
+            self._unload_now(served.id)
+
+    async def unload(self, served: ServedModel) -> None:
+        """Unload a model now, or once the requests running on it end (a no-op if not loaded)."""
+        future = self._engine.call(partial(self._unload_on_engine, served.id))
+        await asyncio.wrap_future(future)
+
+    def _unload_on_engine(self, model_id: str) -> None:
+        if model_id not in self._loaded:
+            return
+        if self._running.get(model_id, 0):
+            with self._lock:
+                self._stopping.setdefault(model_id, datetime.now(timezone.utc))
+            log.info("%s will be unloaded when its running requests end", model_id)
+        else:
+            self._unload_now(model_id)
+
+    def _unload_now(self, model_id: str) -> None:
+        with self._lock:
+            self._info.pop(model_id, None)
+            self._stopping.pop(model_id, None)
+        self._running.pop(model_id, None)
+        model = self._loaded.pop(model_id)
+        # The map goes once the last reference does; requests still holding the model object
+        # (built but not started) drop it when they start (see checkout).
+        model.close()
+        log.info("unloaded %s", model_id)
+
+    def loaded(self) -> list[LoadedModel]:
+        """The models loaded now, in load order, with `stopping_since` set for those whose
+        unload waits for running requests."""
+        with self._lock:
+            return [
+                replace(info, stopping_since=self._stopping.get(model_id))
+                for model_id, info in self._info.items()
+            ]
+
+    def digest(self, path: Path) -> str:
+        """The file's sha256: the store's record when it knows the file, else hashed once
+        (a .gguf path given to --model). Blocking: call it off the event loop."""
+        with self._lock:
+            digest = self._digests.get(path)
+        if digest is not None:
+            return digest
+        from localllm.store import Store, sha256_file
+
+        try:
+            records = (m.sha256 for m in Store().list() if m.path.resolve() == path.resolve())
+            digest = next(records, None)
+        except LocalLLMError:  # a damaged manifest: hashing still works
+            digest = None
+        digest = digest or sha256_file(path)
+        with self._lock:
+            self._digests[path] = digest
+        return digest
+
     def close(self) -> None:
         """Unmap every loaded model (after the engine has stopped)."""
         for model in self._loaded.values():
             model.close()
         self._loaded.clear()
+        with self._lock:
+            self._info.clear()
+            self._stopping.clear()
 
 
 def _resolve_spec(spec: str) -> ServedModel:
@@ -256,6 +375,16 @@ def _steps(job: _Job) -> Iterator[_Step]:
                     r.generation_tps,
                     r.finish_reason,
                 )
+
+
+def _checked_out(pool: ModelPool, job: _Job) -> Iterator[_Step]:
+    """_steps on the model the pool holds when the sequence starts, checked back in when it
+    ends, so that an unload never closes a model under a running sequence."""
+    job.model = pool.checkout(job.served)
+    try:
+        yield from _steps(job)
+    finally:
+        pool.checkin(job.served)
 
 
 def _sampling(req: ChatCompletionRequest | CompletionRequest) -> tuple[Sampler, list]:
@@ -355,7 +484,7 @@ async def _prepare(
         top_logprobs,
         id=completion_id(id_prefix),
     )
-    return job, Generation(state.engine, partial(_steps, job))
+    return job, Generation(state.engine, partial(_checked_out, state.pool, job))
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -809,6 +938,8 @@ def create_app(
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/api/ps", server_ollama.ps, methods=["GET"])
+    app.add_api_route("/api/generate", server_ollama.generate, methods=["POST"])
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
