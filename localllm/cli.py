@@ -469,6 +469,14 @@ SERVE_MODELS = typer.Option(
     "[default: every installed model]. Never pulled: run `localllm pull` first.",
 )
 
+SERVE_CORS_ORIGINS = typer.Option(
+    None,
+    "--cors-origin",
+    metavar="ORIGIN",
+    help="Let web pages from ORIGIN (e.g. http://localhost:3000) use the API (CORS); repeat for "
+    "more; * allows any (warns) [default: $LOCALLLM_ORIGINS, comma-separated; else none].",
+)
+
 
 @app.command()
 def serve(
@@ -496,11 +504,14 @@ def serve(
     max_queue: int = typer.Option(
         32, "--max-queue", min=0, help="Requests that may wait beyond those; more get 503."
     ),
+    cors_origin: list[str] | None = SERVE_CORS_ORIGINS,
     debug: bool = DEBUG,
 ) -> None:
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models."""
     from localllm.server import serve as run_server
 
+    # Comma-separated, like OLLAMA_ORIGINS; the option, when given, replaces the variable.
+    origins = cors_origin or os.environ.get("LOCALLLM_ORIGINS", "").split(",")
     run_server(
         model or [],
         host=host,
@@ -512,6 +523,7 @@ def serve(
         parallel=parallel,
         max_queue=max_queue,
         log_level="debug" if debug else "info",
+        cors_origins=origins,
     )
 
 

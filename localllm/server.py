@@ -7,8 +7,9 @@ Requests are validated here, prompts built by `localllm.prompt`, sampling set up
 interleaves concurrent requests token by token, each with its own KV cache.
 
 Security defaults: bind 127.0.0.1; on a loopback bind the Host header must name the loopback
-(DNS rebinding) and a browser Origin must be local; bodies are capped; an optional API key is
-required on every endpoint but /health; nothing a request says ever becomes a file path.
+(DNS rebinding) and a browser Origin must be local or listed with --cors-origin (CORS is off
+unless origins are listed); bodies are capped; an optional API key is required on every endpoint
+but /health; nothing a request says ever becomes a file path.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.routing import BaseRoute, Match
 
 from localllm import server_ollama
 from localllm.errors import LocalLLMError
@@ -44,6 +46,7 @@ from localllm.generate import stream_generate
 from localllm.models import DEFAULT_CTX, Model, load_model
 from localllm.prompt import chat_prompt_ids, raw_prompt_ids
 from localllm.sampling import Sampler, make_logits_processors, make_sampler
+from localllm.server_cors import CORSPolicy, cors_warning
 from localllm.server_engine import Engine, EngineBusy, Generation
 from localllm.server_schema import (
     APIError,
@@ -780,24 +783,33 @@ def _origin_ok(origin: str) -> bool:
 
 class _Guard:
     """ASGI middleware run before routing: DNS-rebinding and browser cross-origin checks on a
-    loopback bind, the API key, and the request body cap (413)."""
+    loopback bind, CORS for the origins listed with --cors-origin (OPTIONS is answered here),
+    the API key, and the request body cap (413)."""
 
-    def __init__(self, app, *, loopback: bool, api_key: str | None, max_body: int) -> None:
+    def __init__(
+        self, app, *, loopback: bool, api_key: str | None, max_body: int, cors: CORSPolicy
+    ) -> None:
         self.app = app
         self.loopback = loopback
         self.api_key = api_key.encode() if api_key else None
         self.max_body = max_body
+        self.cors = cors
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        error = self._check(scope, headers)
+        origin = headers.get("origin")
+        listed = self.cors.allows(origin)
+        if listed:  # every response to it, errors and streams included, says so
+            send = _adding_headers(send, self.cors.response_headers(origin))
+        error = self._check(scope, headers, listed)
         if error is not None:
-            await JSONResponse(error.body(), error.status, headers=error.headers)(
-                scope, receive, send
-            )
+            await _error_response(error)(scope, receive, send)
+            return
+        if scope["method"] == "OPTIONS":
+            await self._options(scope, headers, listed)(scope, receive, send)
             return
         received = 0
         max_body = self.max_body
@@ -815,7 +827,7 @@ class _Guard:
 
         await self.app(scope, limited_receive, send)
 
-    def _check(self, scope, headers: Headers) -> APIError | None:
+    def _check(self, scope, headers: Headers, listed: bool) -> APIError | None:
         if self.loopback and not _host_header_ok(headers.get("host", "")):
             return APIError(
                 403,
@@ -823,10 +835,10 @@ class _Guard:
                 code="invalid_host",
             )
         origin = headers.get("origin")
-        if self.loopback and origin is not None and not _origin_ok(origin):
-            return APIError(
-                403, f"cross-origin requests from {origin} are refused", code="invalid_origin"
-            )
+        if self.loopback and origin is not None and not listed and not _origin_ok(origin):
+            return _origin_refused(origin)
+        if scope["method"] == "OPTIONS":
+            return None  # browsers send preflights without the key; OPTIONS reveals nothing
         if self.api_key is not None and scope["path"] != "/health":
             auth = headers.get("authorization", "")
             scheme, _, key = auth.partition(" ")
@@ -848,6 +860,48 @@ class _Guard:
             if int(length) > self.max_body:
                 return APIError(413, _too_large(self.max_body), code="request_too_large")
         return None
+
+    def _options(self, scope, headers: Headers, listed: bool) -> Response:
+        """A CORS preflight (204 for a listed origin, else 403), or a plain OPTIONS (204 with
+        the path's methods in Allow)."""
+        origin = headers.get("origin")
+        if origin is not None and "access-control-request-method" in headers:
+            if not listed:
+                return _error_response(_origin_refused(origin))
+            return Response(status_code=204, headers=self.cors.preflight_headers(headers))
+        methods = set()
+        for route in getattr(scope.get("app"), "routes", []):
+            if isinstance(route, BaseRoute) and route.matches(scope)[0] != Match.NONE:
+                methods |= getattr(route, "methods", None) or set()
+        if not methods:
+            return _error_response(APIError(404, f"no such endpoint: OPTIONS {scope['path']}"))
+        return Response(
+            status_code=204, headers={"Allow": ", ".join(sorted(methods | {"OPTIONS"}))}
+        )
+
+
+def _origin_refused(origin: str) -> APIError:
+    return APIError(
+        403,
+        f"cross-origin requests from {origin} are refused; to let a web page at that origin use "
+        f"this server, start it with --cors-origin {origin}",
+        code="invalid_origin",
+    )
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), error.status, headers=error.headers)
+
+
+def _adding_headers(send, extra: list[tuple[bytes, bytes]]):
+    """`send`, with `extra` headers added to the start of the response."""
+
+    async def send_with_headers(message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *extra]}
+        await send(message)
+
+    return send_with_headers
 
 
 def _too_large(max_body: int) -> str:
@@ -895,7 +949,13 @@ def _busy(request: Request, exc: EngineBusy) -> JSONResponse:
 
 def _server_error(request: Request, exc: Exception) -> JSONResponse:
     error = _internal_error(exc)
-    return JSONResponse(error.body(), error.status)
+    response = JSONResponse(error.body(), error.status)
+    # Starlette sends this from outside every middleware, so the guard cannot add CORS to it.
+    cors: CORSPolicy = request.app.state.cors
+    origin = request.headers.get("origin")
+    if cors.allows(origin):
+        response.raw_headers.extend(cors.response_headers(origin))
+    return response
 
 
 # -- the app and the command ----------------------------------------------------------------
@@ -911,10 +971,13 @@ def create_app(
     parallel: int = DEFAULT_PARALLEL,
     max_queue: int = DEFAULT_MAX_QUEUE,
     max_body: int = MAX_BODY_BYTES,
+    cors_origins: list[str] | None = None,
 ) -> FastAPI:
     """The ASGI app. `models`: installed model names or .gguf paths (none: every installed
     model); `host`: the address it will be bound to (a loopback one turns on the Host and
-    Origin checks). Raises LocalLLMError for a model that is not there."""
+    Origin checks); `cors_origins`: browser origins allowed to read responses (none: CORS off).
+    Raises LocalLLMError for a model that is not there or an origin that is not one."""
+    cors = CORSPolicy(cors_origins or [])
     engine = Engine(parallel=parallel, max_queue=max_queue)
     pool = ModelPool(list(models or []), engine, n_ctx, n_threads, device)
 
@@ -933,6 +996,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.localllm = _State(engine, pool)
+    app.state.cors = cors
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
@@ -946,7 +1010,7 @@ def create_app(
     app.add_exception_handler(EngineBusy, _busy)
     app.add_exception_handler(Exception, _server_error)
     app.add_middleware(
-        _Guard, loopback=is_loopback(host), api_key=api_key or None, max_body=max_body
+        _Guard, loopback=is_loopback(host), api_key=api_key or None, max_body=max_body, cors=cors
     )
     return app
 
@@ -963,15 +1027,18 @@ def serve(
     max_queue: int = DEFAULT_MAX_QUEUE,
     max_body: int = MAX_BODY_BYTES,
     log_level: str = "info",
+    cors_origins: list[str] | None = None,
 ) -> None:
     """Serve the API until interrupted (blocking). Startup messages go to stderr."""
     import uvicorn
 
-    app = create_app(models, host, api_key, n_ctx, n_threads, device, parallel, max_queue, max_body)
+    app = create_app(
+        models, host, api_key, n_ctx, n_threads, device, parallel, max_queue, max_body, cors_origins
+    )
     sock = _listen(host, port)
-    warning = exposure_warning(host, port, api_key)
-    if warning:
-        print(warning, file=sys.stderr)
+    for warning in (exposure_warning(host, port, api_key), cors_warning(app.state.cors.origins)):
+        if warning:
+            print(warning, file=sys.stderr)
     # One line per request with its speed, in the same style as uvicorn's own log lines.
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))

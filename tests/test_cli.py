@@ -30,6 +30,7 @@ from localllm.generate import generate
 from localllm.gguf import read_gguf
 from localllm.models import load_model
 from localllm.prompt import chat_prompt_ids, raw_prompt_ids
+from localllm.server_cors import CORSPolicy
 from localllm.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -411,3 +412,28 @@ def test_a_registered_file_that_vanished_is_reported(tmp_path):
     result = invoke("run", "tiny-copy", "Hi")
     assert result.exit_code == 1
     assert "is missing" in one_error_line(result.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# serve --cors-origin
+
+
+def test_serve_takes_cors_origins_from_the_option_or_the_environment(monkeypatch):
+    calls = []
+    monkeypatch.setattr("localllm.server.serve", lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setenv("LOCALLLM_ORIGINS", "http://a.example, http://b.example:3000")
+    assert invoke("serve").exit_code == 0
+    assert invoke("serve", "--cors-origin", "http://c.example", "--cors-origin", "*").exit_code == 0
+    monkeypatch.delenv("LOCALLLM_ORIGINS")
+    assert invoke("serve").exit_code == 0
+    origins = [call["cors_origins"] for call in calls]
+    assert origins[1] == ["http://c.example", "*"]  # the option replaces the variable
+    assert [CORSPolicy(o).origins for o in origins] == [
+        ["http://a.example", "http://b.example:3000"],
+        ["http://c.example", "*"],
+        [],
+    ]
+    # A value that is not an origin is one error line, before anything listens.
+    monkeypatch.undo()
+    result = invoke("serve", "-m", str(model_path("smollm2-135m")), "--cors-origin", "localhost")
+    assert result.exit_code == 1 and "is not an origin" in one_error_line(result.stderr)

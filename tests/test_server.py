@@ -29,6 +29,7 @@ from localllm.generate import generate
 from localllm.models import load_model
 from localllm.prompt import chat_prompt_ids, raw_prompt_ids
 from localllm.server import create_app, exposure_warning, is_loopback, serve
+from localllm.server_cors import CORSPolicy, cors_warning
 from localllm.server_engine import Engine, EngineBusy, Generation
 from localllm.store import Store
 
@@ -657,3 +658,118 @@ def test_api_generate_only_unloads_for_now(server):
     assert_envelope(httpx.get(f"{server}/api/ps"), 401)
     with_key = httpx.get(f"{server}/api/ps", headers={"Authorization": f"Bearer {KEY}"})
     assert with_key.status_code == 200 and isinstance(with_key.json()["models"], list)
+
+
+# -- CORS -----------------------------------------------------------------------------------
+
+APP_ORIGIN = "http://app.example:5173"  # not local: only a listed origin gets through
+
+
+def preflight(url: str, origin: str, **headers) -> httpx.Response:
+    headers = {"Origin": origin, "Access-Control-Request-Method": "POST", **headers}
+    return httpx.options(url, headers=headers)
+
+
+def test_without_cors_options_is_answered_and_no_origin_is_allowed(server):
+    chat_url = f"{server}/v1/chat/completions"
+    response = httpx.options(chat_url)  # no key needed: OPTIONS reveals nothing
+    assert response.status_code == 204 and response.headers["allow"] == "OPTIONS, POST"
+    assert httpx.options(f"{server}/v1/models").headers["allow"] == "GET, OPTIONS"
+    assert_envelope(httpx.options(f"{server}/v1/nothing"), 404)
+    for origin in ["http://localhost:3000", "http://evil.example"]:
+        response = preflight(chat_url, origin)
+        assert_envelope(response, 403, code="invalid_origin")
+        assert "access-control-allow-origin" not in response.headers
+    auth = {"Authorization": f"Bearer {KEY}", "Origin": "http://localhost:3000"}
+    response = httpx.get(f"{server}/v1/models", headers=auth)
+    assert response.status_code == 200 and "access-control-allow-origin" not in response.headers
+
+
+def test_cors_for_listed_origins():
+    with running_server(api_key=KEY, cors_origins=[APP_ORIGIN, "http://localhost:*"]) as (url, app):
+        chat_url = f"{url}/v1/chat/completions"
+        asked = "authorization, content-type, x-stainless-os, x-stainless-retry-count"
+        response = preflight(
+            chat_url,
+            APP_ORIGIN,
+            **{
+                "Access-Control-Request-Headers": asked,
+                "Access-Control-Request-Private-Network": "true",
+            },
+        )
+        assert response.status_code == 204, response.text
+        assert response.headers["access-control-allow-origin"] == APP_ORIGIN
+        assert "POST" in response.headers["access-control-allow-methods"]
+        allowed = response.headers["access-control-allow-headers"].lower().split(", ")
+        assert set(asked.split(", ")) <= set(allowed)
+        assert int(response.headers["access-control-max-age"]) > 0
+        assert response.headers["access-control-allow-private-network"] == "true"
+        assert "origin" in response.headers["vary"].lower()
+        # A pattern, as OLLAMA_ORIGINS takes them.
+        response = preflight(f"{url}/v1/models", "http://localhost:3000")
+        assert response.headers["access-control-allow-origin"] == "http://localhost:3000"
+        # An unlisted origin is refused, as without CORS.
+        for request in (
+            preflight(chat_url, "http://evil.example"),
+            post(chat_url, {}, headers={"Origin": "http://evil.example"}),
+        ):
+            assert_envelope(request, 403, code="invalid_origin")
+            assert "access-control-allow-origin" not in request.headers
+
+        # Every answer to a listed origin says so: JSON, errors, streams.
+        origin = {"Origin": APP_ORIGIN}
+        good = {"model": MODEL_ID, "messages": HELLO, "max_tokens": 2}
+        answers = [
+            httpx.get(f"{url}/v1/models", headers={**origin, "Authorization": f"Bearer {KEY}"}),
+            httpx.get(f"{url}/v1/models", headers=origin),  # 401
+            post(chat_url, {**good, "model": "nope"}, headers=origin),  # 404
+            post(chat_url, {**good, "n": 2}, headers=origin),  # 400
+            post(f"{url}/api/generate", {"model": MODEL_ID}, headers=origin),  # 501
+        ]
+        assert [a.status_code for a in answers] == [200, 401, 404, 400, 501]
+        for answer in answers:
+            assert answer.headers["access-control-allow-origin"] == APP_ORIGIN
+        with httpx.stream(
+            "POST",
+            chat_url,
+            json={**good, "stream": True},
+            headers={**origin, "Authorization": f"Bearer {KEY}"},
+            timeout=60,
+        ) as stream:
+            assert stream.headers["access-control-allow-origin"] == APP_ORIGIN
+            assert list(stream.iter_lines())[-2] == "data: [DONE]"
+
+        # An unexpected error is answered outside the middleware; it says so too.
+        def broken():
+            raise RuntimeError("boom")
+
+        app.state.localllm.engine.stats = broken
+        response = httpx.get(f"{url}/health", headers=origin)
+        assert_envelope(response, 500)
+        assert response.headers["access-control-allow-origin"] == APP_ORIGIN
+
+
+def test_cors_origins_are_checked():
+    for bad in ["localhost:3000", "http://app.example/path", "http://", "file"]:
+        with pytest.raises(LocalLLMError, match="not an origin"):
+            create_app([str(model_path("smollm2-135m"))], cors_origins=[bad])
+    policy = CORSPolicy(["HTTP://App.Example:5173/", "http://[::1]:3000", "https://*.example.org"])
+    assert policy.origins == [
+        "http://app.example:5173",
+        "http://[::1]:3000",
+        "https://*.example.org",
+    ]
+    assert policy.allows("http://app.example:5173") and policy.allows("http://[::1]:3000")
+    assert policy.allows("https://a.b.example.org")
+    for other in [
+        None,
+        "",
+        "http://app.example",
+        "http://app.example:51730",
+        "https://example.org",
+    ]:
+        assert not policy.allows(other), other
+    assert CORSPolicy([]).origins == [] and not CORSPolicy([" ", ""]).allows("http://a")
+    assert CORSPolicy(["*"]).allows("http://anything.example")
+    assert cors_warning(["http://a.example"]) is None
+    assert "any web page" in cors_warning(["*"])
