@@ -487,6 +487,14 @@ SERVE_MODELS = typer.Option(
     "[default: every installed model]. Never pulled: run `localllm pull` first.",
 )
 
+SERVE_CORS_ORIGINS = typer.Option(
+    None,
+    "--cors-origin",
+    metavar="ORIGIN",
+    help="Let web pages from ORIGIN (e.g. http://localhost:3000) use the API (CORS); repeat for "
+    "more; * allows any (warns) [default: $LOCALLLM_ORIGINS, comma-separated; else none].",
+)
+
 
 @app.command()
 def serve(
@@ -514,11 +522,14 @@ def serve(
     max_queue: int = typer.Option(
         32, "--max-queue", min=0, help="Requests that may wait beyond those; more get 503."
     ),
+    cors_origin: list[str] | None = SERVE_CORS_ORIGINS,
     debug: bool = DEBUG,
 ) -> None:
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models."""
     from localllm.server import serve as run_server
 
+    # Comma-separated, like OLLAMA_ORIGINS; the option, when given, replaces the variable.
+    origins = cors_origin or os.environ.get("LOCALLLM_ORIGINS", "").split(",")
     run_server(
         model or [],
         host=host,
@@ -530,6 +541,7 @@ def serve(
         parallel=parallel,
         max_queue=max_queue,
         log_level="debug" if debug else "info",
+        cors_origins=origins,
     )
 
 
@@ -563,6 +575,111 @@ def bench(
     if as_json:
         keys = ("model", "threads", "load_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb")
         print(json.dumps({key: getattr(result, key) for key in keys}))
+
+
+# ---------------------------------------------------------------------------------------------
+# ps, stop: a running server's loaded models (localllm.client, Ollama's /api/ps and keep_alive 0)
+
+SERVER_HOST = typer.Option(
+    None,
+    "--host",
+    help="The server: HOST, HOST:PORT or a URL [default: $LOCALLLM_HOST, else 127.0.0.1:8357].",
+)
+SERVER_PORT = typer.Option(None, "--port", "-p", min=1, max=65535, help="The server's port.")
+SERVER_KEY = typer.Option(
+    None, "--api-key", envvar="LOCALLLM_API_KEY", help="The key the server was started with."
+)
+
+
+@app.command()
+def ps(
+    as_json: bool = typer.Option(False, "--json", help="Print the server's JSON."),
+    host: str | None = SERVER_HOST,
+    port: int | None = SERVER_PORT,
+    api_key: str | None = SERVER_KEY,
+    debug: bool = DEBUG,
+) -> None:
+    """List the models loaded in a running server (`localllm serve`).
+
+    A table of NAME, ID, SIZE (file and KV cache), PROCESSOR, CONTEXT and UNTIL, as `ollama ps`.
+    """
+    from localllm.client import loaded_models, server_url
+    from localllm.store import format_bytes
+
+    models = loaded_models(server_url(host, port), api_key)
+    if as_json:
+        print(json.dumps({"models": models}, indent=2))
+        return
+    now = datetime.now(timezone.utc)
+    table = [("NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL")]
+    for m in models:
+        size, vram = int(m.get("size", 0)), int(m.get("size_vram", 0))
+        table.append(
+            (
+                str(m.get("name", "")),
+                str(m.get("digest", ""))[:12],
+                format_bytes(size),
+                _processor(size, vram),
+                str(m.get("context_length", "")),
+                _until(str(m.get("expires_at", "")), now),
+            )
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    for row in table:
+        print("    ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "    " + row[-1])
+
+
+def _processor(size: int, vram: int) -> str:
+    """Where a model's memory is, as `ollama ps` says it."""
+    if vram == 0:
+        return "100% CPU"
+    if vram == size:
+        return "100% GPU"
+    if vram > size or size == 0:
+        return "Unknown"
+    cpu = round((size - vram) / size * 100)
+    return f"{cpu}%/{100 - cpu}% CPU/GPU"
+
+
+def _until(expires_at: str, now: datetime) -> str:
+    """'Forever', 'Stopping...' (its unload waits for running requests) or '4 minutes from now'."""
+    try:
+        when = datetime.fromisoformat(expires_at.replace("Z", "+00:00"))
+    except ValueError:
+        return "-"
+    seconds = int((when - now).total_seconds())
+    if seconds <= 0:
+        return "Stopping..."
+    if seconds > 20 * 365 * 86400:  # what Ollama shows for a model kept loaded
+        return "Forever"
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1)):
+        if seconds >= size:
+            n = seconds // size
+            return f"{n} {unit}{'s' * (n != 1)} from now"
+    return "now"
+
+
+@app.command()
+def stop(
+    model: str = typer.Argument(..., metavar="NAME", help="A model loaded in the server."),
+    host: str | None = SERVER_HOST,
+    port: int | None = SERVER_PORT,
+    api_key: str | None = SERVER_KEY,
+    debug: bool = DEBUG,
+) -> None:
+    """Unload a model from a running server (`localllm serve`).
+
+    Requests running on it are not cut short: it is unloaded when the last of them ends. A later
+    request loads it again.
+    """
+    from localllm.client import loaded_models, server_url, unload
+
+    url = server_url(host, port)
+    name = unload(url, model, api_key)
+    if any(m.get("name") == name for m in loaded_models(url, api_key)):
+        _stderr(f"{name} will be unloaded when its running requests end")
+    else:
+        _stderr(f"{name} is unloaded")
 
 
 def main() -> None:

@@ -1,13 +1,15 @@
 """`localllm serve`: an OpenAI-compatible HTTP API on localhost (FastAPI + uvicorn).
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health.
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health,
+and of Ollama's API what `localllm ps`/`stop` use (`server_ollama`).
 Requests are validated here, prompts built by `localllm.prompt`, sampling set up by
 `localllm.sampling`, and every model step runs on the engine thread (`server_engine`), which
 interleaves concurrent requests token by token, each with its own KV cache.
 
 Security defaults: bind 127.0.0.1; on a loopback bind the Host header must name the loopback
-(DNS rebinding) and a browser Origin must be local; bodies are capped; an optional API key is
-required on every endpoint but /health; nothing a request says ever becomes a file path.
+(DNS rebinding) and a browser Origin must be local or listed with --cors-origin (CORS is off
+unless origins are listed); bodies are capped; an optional API key is required on every endpoint
+but /health; nothing a request says ever becomes a file path.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import socket
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,12 +38,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.routing import BaseRoute, Match
 
+from localllm import server_ollama
 from localllm.errors import LocalLLMError
 from localllm.generate import stream_generate
 from localllm.models import DEFAULT_CTX, Model, load_model
 from localllm.prompt import chat_prompt_ids, raw_prompt_ids
 from localllm.sampling import Sampler, make_logits_processors, make_sampler
+from localllm.server_cors import CORSPolicy, cors_warning
 from localllm.server_engine import Engine, EngineBusy, Generation, cancel_check
 from localllm.server_schema import (
     APIError,
@@ -78,6 +86,37 @@ class ServedModel:
     path: Path
 
 
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model in memory, as GET /api/ps reports it (taken when it is loaded)."""
+
+    id: str
+    path: Path
+    architecture: str
+    n_params: int
+    quant: str | None
+    n_ctx: int
+    nbytes: int  # the file plus the KV cache of one full context
+    device: str  # the backend's name: "cpu" or "cuda"
+    stopping_since: datetime | None = None  # set while an unload waits for running requests
+
+    @classmethod
+    def of(cls, model_id: str, model: Model) -> LoadedModel:
+        from localllm.store import detect_quant
+
+        transformer = model.transformer
+        return cls(
+            id=model_id,
+            path=model.path,
+            architecture=str(model.metadata.get("general.architecture", "")),
+            n_params=sum(math.prod(t.shape) for t in model.gguf.tensors.values()),
+            quant=detect_quant(model.path),
+            n_ctx=model.n_ctx,
+            nbytes=model.gguf.file_size + transformer.cache.nbytes,
+            device=getattr(transformer.backend, "name", "cpu"),
+        )
+
+
 class ModelPool:
     """The served models, loaded on first use (on the engine thread) and kept loaded.
 
@@ -99,6 +138,12 @@ class ModelPool:
         self._loaded: dict[str, Model] = {}
         self._ctx_lengths: dict[str, int] = {}
         self._fixed: dict[str, ServedModel] | None = None
+        # What /api/ps reports and unloading needs (see the methods after context_length).
+        self._lock = threading.Lock()  # guards _info, _stopping and _digests
+        self._info: dict[str, LoadedModel] = {}  # id -> the loaded model, as /api/ps says
+        self._stopping: dict[str, datetime] = {}  # id -> when its unload was asked for
+        self._running: dict[str, int] = {}  # id -> sequences using it (engine thread only)
+        self._digests: dict[Path, str] = {}
         if specs:
             self._fixed = {}
             from localllm.store import find_model
@@ -150,6 +195,8 @@ class ModelPool:
             n_ctx, n_threads, device = self._load_args
             model = load_model(served.path, n_ctx=n_ctx, n_threads=n_threads, device=device)
             self._loaded[served.id] = model
+            with self._lock:
+                self._info[served.id] = LoadedModel.of(served.id, model)
             log.info("loaded %s (context %d) in %.1f s", served.id, model.n_ctx, model.load_seconds)
         return model
 
@@ -173,11 +220,86 @@ class ModelPool:
             self._ctx_lengths[served.id] = min(n_train, DEFAULT_CTX)
         return self._ctx_lengths[served.id]
 
+    # Unloading. A model is only closed on the engine thread, between two steps, and only when
+    # no sequence is using it: asked while requests run on it, the unload waits for the last of
+    # them to end (new ones may still join; /api/ps shows it as stopping meanwhile). A sequence
+    # takes the model from the pool when it starts, so one that was queued behind an unload
+    # loads the model again instead of running on a closed one.
+
+    def checkout(self, served: ServedModel) -> Model:
+        """The loaded model for a sequence starting now (engine thread; loads it if needed)."""
+        model = self._load_on_engine(served)
+        self._running[served.id] = self._running.get(served.id, 0) + 1
+        return model
+
+    def checkin(self, served: ServedModel) -> None:
+        """A sequence is done with its model (engine thread); a pending unload happens now."""
+        self._running[served.id] -= 1
+        if not self._running[served.id] and served.id in self._stopping:
+            self._unload_now(served.id)
+
+    async def unload(self, served: ServedModel) -> None:
+        """Unload a model now, or once the requests running on it end (a no-op if not loaded)."""
+        future = self._engine.call(partial(self._unload_on_engine, served.id))
+        await asyncio.wrap_future(future)
+
+    def _unload_on_engine(self, model_id: str) -> None:
+        if model_id not in self._loaded:
+            return
+        if self._running.get(model_id, 0):
+            with self._lock:
+                self._stopping.setdefault(model_id, datetime.now(timezone.utc))
+            log.info("%s will be unloaded when its running requests end", model_id)
+        else:
+            self._unload_now(model_id)
+
+    def _unload_now(self, model_id: str) -> None:
+        with self._lock:
+            self._info.pop(model_id, None)
+            self._stopping.pop(model_id, None)
+        self._running.pop(model_id, None)
+        model = self._loaded.pop(model_id)
+        # The map goes once the last reference does; requests still holding the model object
+        # (built but not started) drop it when they start (see checkout).
+        model.close()
+        log.info("unloaded %s", model_id)
+
+    def loaded(self) -> list[LoadedModel]:
+        """The models loaded now, in load order, with `stopping_since` set for those whose
+        unload waits for running requests."""
+        with self._lock:
+            return [
+                replace(info, stopping_since=self._stopping.get(model_id))
+                for model_id, info in self._info.items()
+            ]
+
+    def digest(self, path: Path) -> str:
+        """The file's sha256: the store's record when it knows the file, else hashed once
+        (a .gguf path given to --model). Blocking: call it off the event loop."""
+        with self._lock:
+            digest = self._digests.get(path)
+        if digest is not None:
+            return digest
+        from localllm.store import Store, sha256_file
+
+        try:
+            records = (m.sha256 for m in Store().list() if m.path.resolve() == path.resolve())
+            digest = next(records, None)
+        except LocalLLMError:  # a damaged manifest: hashing still works
+            digest = None
+        digest = digest or sha256_file(path)
+        with self._lock:
+            self._digests[path] = digest
+        return digest
+
     def close(self) -> None:
         """Unmap every loaded model (after the engine has stopped)."""
         for model in self._loaded.values():
             model.close()
         self._loaded.clear()
+        with self._lock:
+            self._info.clear()
+            self._stopping.clear()
 
 
 # -- one generation -------------------------------------------------------------------------
@@ -244,6 +366,16 @@ def _steps(job: _Job) -> Iterator[_Step]:
                     r.generation_tps,
                     r.finish_reason,
                 )
+
+
+def _checked_out(pool: ModelPool, job: _Job) -> Iterator[_Step]:
+    """_steps on the model the pool holds when the sequence starts, checked back in when it
+    ends, so that an unload never closes a model under a running sequence."""
+    job.model = pool.checkout(job.served)
+    try:
+        yield from _steps(job)
+    finally:
+        pool.checkin(job.served)
 
 
 def _sampling(req: ChatCompletionRequest | CompletionRequest) -> tuple[Sampler, list]:
@@ -343,7 +475,7 @@ async def _prepare(
         top_logprobs,
         id=completion_id(id_prefix),
     )
-    return job, Generation(state.engine, partial(_steps, job))
+    return job, Generation(state.engine, partial(_checked_out, state.pool, job))
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -639,24 +771,33 @@ def _origin_ok(origin: str) -> bool:
 
 class _Guard:
     """ASGI middleware run before routing: DNS-rebinding and browser cross-origin checks on a
-    loopback bind, the API key, and the request body cap (413)."""
+    loopback bind, CORS for the origins listed with --cors-origin (OPTIONS is answered here),
+    the API key, and the request body cap (413)."""
 
-    def __init__(self, app, *, loopback: bool, api_key: str | None, max_body: int) -> None:
+    def __init__(
+        self, app, *, loopback: bool, api_key: str | None, max_body: int, cors: CORSPolicy
+    ) -> None:
         self.app = app
         self.loopback = loopback
         self.api_key = api_key.encode() if api_key else None
         self.max_body = max_body
+        self.cors = cors
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        error = self._check(scope, headers)
+        origin = headers.get("origin")
+        listed = self.cors.allows(origin)
+        if listed:  # every response to it, errors and streams included, says so
+            send = _adding_headers(send, self.cors.response_headers(origin))
+        error = self._check(scope, headers, listed)
         if error is not None:
-            await JSONResponse(error.body(), error.status, headers=error.headers)(
-                scope, receive, send
-            )
+            await _error_response(error)(scope, receive, send)
+            return
+        if scope["method"] == "OPTIONS":
+            await self._options(scope, headers, listed)(scope, receive, send)
             return
         received = 0
         max_body = self.max_body
@@ -674,7 +815,7 @@ class _Guard:
 
         await self.app(scope, limited_receive, send)
 
-    def _check(self, scope, headers: Headers) -> APIError | None:
+    def _check(self, scope, headers: Headers, listed: bool) -> APIError | None:
         if self.loopback and not _host_header_ok(headers.get("host", "")):
             return APIError(
                 403,
@@ -682,10 +823,10 @@ class _Guard:
                 code="invalid_host",
             )
         origin = headers.get("origin")
-        if self.loopback and origin is not None and not _origin_ok(origin):
-            return APIError(
-                403, f"cross-origin requests from {origin} are refused", code="invalid_origin"
-            )
+        if self.loopback and origin is not None and not listed and not _origin_ok(origin):
+            return _origin_refused(origin)
+        if scope["method"] == "OPTIONS":
+            return None  # browsers send preflights without the key; OPTIONS reveals nothing
         if self.api_key is not None and scope["path"] != "/health":
             auth = headers.get("authorization", "")
             scheme, _, key = auth.partition(" ")
@@ -707,6 +848,48 @@ class _Guard:
             if int(length) > self.max_body:
                 return APIError(413, _too_large(self.max_body), code="request_too_large")
         return None
+
+    def _options(self, scope, headers: Headers, listed: bool) -> Response:
+        """A CORS preflight (204 for a listed origin, else 403), or a plain OPTIONS (204 with
+        the path's methods in Allow)."""
+        origin = headers.get("origin")
+        if origin is not None and "access-control-request-method" in headers:
+            if not listed:
+                return _error_response(_origin_refused(origin))
+            return Response(status_code=204, headers=self.cors.preflight_headers(headers))
+        methods = set()
+        for route in getattr(scope.get("app"), "routes", []):
+            if isinstance(route, BaseRoute) and route.matches(scope)[0] != Match.NONE:
+                methods |= getattr(route, "methods", None) or set()
+        if not methods:
+            return _error_response(APIError(404, f"no such endpoint: OPTIONS {scope['path']}"))
+        return Response(
+            status_code=204, headers={"Allow": ", ".join(sorted(methods | {"OPTIONS"}))}
+        )
+
+
+def _origin_refused(origin: str) -> APIError:
+    return APIError(
+        403,
+        f"cross-origin requests from {origin} are refused; to let a web page at that origin use "
+        f"this server, start it with --cors-origin {origin}",
+        code="invalid_origin",
+    )
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), error.status, headers=error.headers)
+
+
+def _adding_headers(send, extra: list[tuple[bytes, bytes]]):
+    """`send`, with `extra` headers added to the start of the response."""
+
+    async def send_with_headers(message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *extra]}
+        await send(message)
+
+    return send_with_headers
 
 
 def _too_large(max_body: int) -> str:
@@ -754,7 +937,13 @@ def _busy(request: Request, exc: EngineBusy) -> JSONResponse:
 
 def _server_error(request: Request, exc: Exception) -> JSONResponse:
     error = _internal_error(exc)
-    return JSONResponse(error.body(), error.status)
+    response = JSONResponse(error.body(), error.status)
+    # Starlette sends this from outside every middleware, so the guard cannot add CORS to it.
+    cors: CORSPolicy = request.app.state.cors
+    origin = request.headers.get("origin")
+    if cors.allows(origin):
+        response.raw_headers.extend(cors.response_headers(origin))
+    return response
 
 
 # -- the app and the command ----------------------------------------------------------------
@@ -770,10 +959,13 @@ def create_app(
     parallel: int = DEFAULT_PARALLEL,
     max_queue: int = DEFAULT_MAX_QUEUE,
     max_body: int = MAX_BODY_BYTES,
+    cors_origins: list[str] | None = None,
 ) -> FastAPI:
     """The ASGI app. `models`: installed model names or .gguf paths (none: every installed
     model); `host`: the address it will be bound to (a loopback one turns on the Host and
-    Origin checks). Raises LocalLLMError for a model that is not there."""
+    Origin checks); `cors_origins`: browser origins allowed to read responses (none: CORS off).
+    Raises LocalLLMError for a model that is not there or an origin that is not one."""
+    cors = CORSPolicy(cors_origins or [])
     engine = Engine(parallel=parallel, max_queue=max_queue)
     pool = ModelPool(list(models or []), engine, n_ctx, n_threads, device)
 
@@ -792,18 +984,21 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.localllm = _State(engine, pool)
+    app.state.cors = cors
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/api/ps", server_ollama.ps, methods=["GET"])
+    app.add_api_route("/api/generate", server_ollama.generate, methods=["POST"])
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(EngineBusy, _busy)
     app.add_exception_handler(Exception, _server_error)
     app.add_middleware(
-        _Guard, loopback=is_loopback(host), api_key=api_key or None, max_body=max_body
+        _Guard, loopback=is_loopback(host), api_key=api_key or None, max_body=max_body, cors=cors
     )
     return app
 
@@ -820,15 +1015,18 @@ def serve(
     max_queue: int = DEFAULT_MAX_QUEUE,
     max_body: int = MAX_BODY_BYTES,
     log_level: str = "info",
+    cors_origins: list[str] | None = None,
 ) -> None:
     """Serve the API until interrupted (blocking). Startup messages go to stderr."""
     import uvicorn
 
-    app = create_app(models, host, api_key, n_ctx, n_threads, device, parallel, max_queue, max_body)
+    app = create_app(
+        models, host, api_key, n_ctx, n_threads, device, parallel, max_queue, max_body, cors_origins
+    )
     sock = _listen(host, port)
-    warning = exposure_warning(host, port, api_key)
-    if warning:
-        print(warning, file=sys.stderr)
+    for warning in (exposure_warning(host, port, api_key), cors_warning(app.state.cors.origins)):
+        if warning:
+            print(warning, file=sys.stderr)
     # One line per request with its speed, in the same style as uvicorn's own log lines.
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))

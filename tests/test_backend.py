@@ -10,7 +10,7 @@ import inspect
 
 import numpy as np
 import pytest
-from conftest import model_path
+from real_models import model_path
 
 from localllm.backend import Backend, CPUBackend
 from localllm.models import load_model

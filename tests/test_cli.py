@@ -16,12 +16,14 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import gguf as gguf_py
+import httpx
 import pytest
 from fake_hub import DATA, FILE, REPO, FakeHub
 from gguf_writer import write_gguf
@@ -29,11 +31,14 @@ from real_models import model_path
 from typer.testing import CliRunner
 
 from localllm.cli import app
+from localllm.client import server_url
+from localllm.errors import LocalLLMError
 from localllm.generate import generate
 from localllm.gguf import read_gguf
 from localllm.models import load_model
 from localllm.prompt import chat_prompt_ids, raw_prompt_ids
-from localllm.store import Store
+from localllm.server_cors import CORSPolicy
+from localllm.store import Store, format_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCALLLM = [sys.executable, "-m", "localllm"]
@@ -560,3 +565,147 @@ def test_ls_is_list(tmp_path):
         assert aliased.exit_code == 0, aliased.output
         assert aliased.stdout == listed.stdout and "tiny" in aliased.stdout
     assert "(also: ls)" in invoke("--help").stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# serve --cors-origin
+
+
+def test_serve_takes_cors_origins_from_the_option_or_the_environment(monkeypatch):
+    calls = []
+    monkeypatch.setattr("localllm.server.serve", lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setenv("LOCALLLM_ORIGINS", "http://a.example, http://b.example:3000")
+    assert invoke("serve").exit_code == 0
+    assert invoke("serve", "--cors-origin", "http://c.example", "--cors-origin", "*").exit_code == 0
+    monkeypatch.delenv("LOCALLLM_ORIGINS")
+    assert invoke("serve").exit_code == 0
+    origins = [call["cors_origins"] for call in calls]
+    assert origins[1] == ["http://c.example", "*"]  # the option replaces the variable
+    assert [CORSPolicy(o).origins for o in origins] == [
+        ["http://a.example", "http://b.example:3000"],
+        ["http://c.example", "*"],
+        [],
+    ]
+    # A value that is not an origin is one error line, before anything listens.
+    monkeypatch.undo()
+    result = invoke("serve", "-m", str(model_path("smollm2-135m")), "--cors-origin", "localhost")
+    assert result.exit_code == 1 and "is not an origin" in one_error_line(result.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# ps, stop: against a running server
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_the_server_address_from_options_and_environment(monkeypatch):
+    monkeypatch.delenv("LOCALLLM_HOST", raising=False)
+    assert server_url() == "http://127.0.0.1:8357"
+    assert server_url("10.0.0.2", 7) == "http://10.0.0.2:7"
+    cases = {
+        "127.0.0.1:9000": "http://127.0.0.1:9000",
+        "localhost": "http://localhost:8357",
+        ":9000": "http://127.0.0.1:9000",
+        "0.0.0.0:9000": "http://127.0.0.1:9000",  # where a server listens, not an address
+        "[::1]": "http://[::1]:8357",
+        "http://[::1]:9000/": "http://[::1]:9000",
+        "https://models.example": "https://models.example:443",
+        "http://box:8357/localllm": "http://box:8357/localllm",
+    }
+    for value, url in cases.items():
+        monkeypatch.setenv("LOCALLLM_HOST", value)
+        assert server_url() == url, value
+    monkeypatch.setenv("LOCALLLM_HOST", "box:9")
+    assert server_url(None, 7) == "http://box:7"  # --port wins
+    assert server_url("other", None) == "http://other:8357"  # --host wins
+    for bad in ["ftp://box", "box:port"]:
+        monkeypatch.setenv("LOCALLLM_HOST", bad)
+        with pytest.raises(LocalLLMError):
+            server_url()
+
+
+def test_ps_and_stop_without_a_server_say_how_to_start_one(monkeypatch):
+    port = free_port()  # nothing listens there
+    url = f"http://127.0.0.1:{port}"
+    expected = f"Error: no localllm server at {url}; start one with `localllm serve`"
+    for args in (["ps", "--port", str(port)], ["stop", "smollm2", "--host", f"127.0.0.1:{port}"]):
+        result = invoke(*args)
+        assert result.exit_code == 1
+        assert one_error_line(result.stderr) == expected
+    monkeypatch.setenv("LOCALLLM_HOST", f"127.0.0.1:{port}")
+    assert one_error_line(invoke("ps", "--json").stderr) == expected
+    # The client is the standard library's: neither ps nor the CLI imports httpx.
+    check = (
+        "import atexit, sys; atexit.register(lambda: print('httpx' in sys.modules)); "
+        "from localllm.cli import main; sys.argv = ['localllm', 'ps']; main()"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert result.returncode == 1 and result.stdout == "False\n", result.stderr
+
+
+def test_ps_and_stop_talk_to_a_running_server(monkeypatch, tmp_path):
+    path = model_path("smollm2-135m")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"  # a file, not a pipe nobody reads while the server runs
+    with log.open("w") as stderr:
+        server = subprocess.Popen(
+            [*LOCALLLM, "serve", "-m", str(path), "--port", str(port), "--api-key", "k", *FAST],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            cwd=ROOT,
+        )
+    try:
+        deadline = time.monotonic() + 120  # only against hangs
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, "serve did not start"
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        result = invoke("ps", "--port", str(port))
+        assert result.exit_code == 1 and "API key" in one_error_line(result.stderr)
+        monkeypatch.setenv("LOCALLLM_API_KEY", "k")
+        result = invoke("ps", "--port", str(port))
+        assert result.exit_code == 0, result.output
+        assert result.stdout.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
+
+        name = "SmolLM2-135M-Instruct.Q4_1"
+        answer = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+            headers={"Authorization": "Bearer k"},
+            timeout=120,
+        )
+        assert answer.status_code == 200, answer.text
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        monkeypatch.setenv("LOCALLLM_HOST", f"127.0.0.1:{port}")
+        [entry] = json.loads(invoke("ps", "--json").stdout)["models"]
+        assert entry["name"] == name and entry["digest"] == digest
+        assert entry["size"] > path.stat().st_size and entry["context_length"] == 512
+        result = invoke("ps")
+        assert result.exit_code == 0, result.output
+        header, row = result.stdout.splitlines()
+        assert header.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
+        size = format_bytes(entry["size"])  # the file and the KV cache
+        assert row.split() == [name, digest[:12], *size.split(), "100%", "CPU", "512", "Forever"]
+
+        result = invoke("stop", "no-such-model")
+        assert result.exit_code == 1 and "not found" in one_error_line(result.stderr)
+        result = invoke("stop", name)
+        assert result.exit_code == 0, result.output
+        assert result.stderr == f"{name} is unloaded\n" and result.stdout == ""
+        assert invoke("ps").stdout.splitlines()[1:] == []
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        print(log.read_text())  # shown when the test fails
+    assert "Traceback" not in log.read_text()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from fake_hub import DATA, FILE, REPO, SHA, FakeHub, tiny_gguf
+from gguf_writer import gguf_bytes
 
 from localllm import pull as pull_mod
 from localllm.errors import LocalLLMError

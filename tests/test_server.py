@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import json
+import shutil
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import httpx
 import openai
@@ -26,6 +30,7 @@ from localllm.generate import generate
 from localllm.models import load_model
 from localllm.prompt import chat_prompt_ids, raw_prompt_ids
 from localllm.server import create_app, exposure_warning, is_loopback, serve
+from localllm.server_cors import CORSPolicy, cors_warning
 from localllm.server_engine import Engine, EngineBusy, Generation
 from localllm.store import Store
 
@@ -560,3 +565,259 @@ def test_a_client_that_leaves_stops_a_long_prefill():
         assert chat(client, max_tokens=1).usage.completion_tokens == 1
         transformer._forward_chunk = run_chunk
         assert 1 <= len(long_chunks) < n_chunks // 2, (len(long_chunks), n_chunks)
+
+
+# -- Ollama's /api/ps and unloading (`localllm ps`, `localllm stop`) ----------------------
+
+
+def loaded(url: str) -> list[dict]:
+    """GET /api/ps: the models the server has loaded now."""
+    response = httpx.get(f"{url}/api/ps", timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["models"]
+
+
+def unload(url: str, name: str, **body) -> httpx.Response:
+    """Ollama's unload request: POST /api/generate with keep_alive 0 and no prompt."""
+    return post(f"{url}/api/generate", {"model": name, "keep_alive": 0, **body}, key=None)
+
+
+def parse_time(value: str) -> datetime:
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def wait_for(condition, what: str, limit: float = 30.0) -> None:
+    deadline = time.monotonic() + limit  # only against hangs
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def maps(path: Path) -> bool:
+    """Whether this process has `path` memory-mapped (Linux)."""
+    return str(path) in Path("/proc/self/maps").read_text()
+
+
+def test_ps_lists_loaded_models_and_keep_alive_0_unloads(tmp_path, local_model):
+    # A copy of the model: the test process's own `local_model` maps the original.
+    path = tmp_path / "smol-copy.gguf"
+    shutil.copy(model_path("smollm2-135m"), path)
+    with running_server(models=[str(path)]) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert loaded(url) == []  # models load on first use
+        client.chat.completions.create(model="smol-copy", messages=HELLO, max_tokens=2)
+        [entry] = loaded(url)
+        assert entry == {
+            "name": "smol-copy",
+            "model": "smol-copy",
+            # The file and the KV cache of one full context.
+            "size": path.stat().st_size + local_model.transformer.cache.nbytes,
+            "digest": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "details": {
+                "parent_model": "",
+                "format": "gguf",
+                "family": "llama",
+                "families": ["llama"],
+                "parameter_size": "134.52M",
+                "quantization_level": "Q4_1",
+            },
+            "expires_at": entry["expires_at"],
+            "size_vram": 0,
+            "context_length": N_CTX,
+        }
+        # Kept loaded: more than 20 years ahead, which Ollama's clients show as "Forever".
+        assert parse_time(entry["expires_at"]) > datetime.now(timezone.utc) + timedelta(days=7300)
+        on_linux = Path("/proc/self/maps").exists()
+        assert maps(path) or not on_linux
+
+        response = unload(url, "smol-copy")
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer == {
+            "model": "smol-copy",
+            "created_at": answer["created_at"],
+            "response": "",
+            "done": True,
+            "done_reason": "unload",
+        }
+        assert abs(parse_time(answer["created_at"]) - datetime.now(timezone.utc)) < timedelta(1)
+        assert loaded(url) == []
+        if on_linux:  # the weights are really let go of
+            wait_for(lambda: not maps(path), "the unloaded model is still mapped")
+
+        # The next request loads it again; unloading a model that is not loaded is no error.
+        client.chat.completions.create(model="smol-copy", messages=HELLO, max_tokens=2)
+        assert [m["name"] for m in loaded(url)] == ["smol-copy"]
+        assert unload(url, "smol-copy").status_code == 200
+        assert unload(url, "smol-copy", keep_alive="0s").status_code == 200
+        assert loaded(url) == []
+
+
+def test_unload_waits_for_the_requests_running_on_the_model(local_model):
+    prompt = "1, 2, 3, 4, 5,"
+    ids = raw_prompt_ids(local_model, prompt)
+    expected = generate(local_model, ids, max_tokens=120, cache=local_model.transformer.new_cache())
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 120, "temperature": 0}
+    with running_server() as (url, _):
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+            events = (line[6:] for line in r.iter_lines() if line.startswith("data: "))
+            texts = [json.loads(next(events))["choices"][0]["text"]]
+            # Asked while the request runs (120 tokens take far longer than these two calls):
+            # answered at once, and the model stays until the request ends, shown as stopping.
+            assert unload(url, MODEL_ID).json()["done_reason"] == "unload"
+            [entry] = loaded(url)
+            assert parse_time(entry["expires_at"]) <= datetime.now(timezone.utc)
+            rest = list(events)
+        assert rest[-1] == "[DONE]"
+        chunks = [json.loads(event) for event in rest[:-1]]
+        assert not any("error" in chunk for chunk in chunks)
+        texts += [c["choices"][0]["text"] for c in chunks if c["choices"]]
+        assert "".join(texts) == expected  # the request ran to its end, undisturbed
+        wait_for(lambda: loaded(url) == [], "the model was not unloaded after its request")
+        # A request after the unload loads the model again.
+        assert post(f"{url}/v1/completions", {**body, "max_tokens": 2}, key=None).status_code == 200
+        assert [m["name"] for m in loaded(url)] == [MODEL_ID]
+
+
+def test_api_generate_only_unloads_for_now(server):
+    url = f"{server}/api/generate"
+    not_yet = [
+        {"model": MODEL_ID, "prompt": "Hi"},
+        {"model": MODEL_ID, "prompt": "Hi", "keep_alive": 0},
+        {"model": MODEL_ID},  # Ollama's "load the model"
+        {"model": MODEL_ID, "keep_alive": "5m"},
+        {"model": MODEL_ID, "keep_alive": False},
+    ]
+    for body in not_yet:
+        response = post(url, body)
+        assert response.status_code == 501, body
+        assert list(response.json()) == ["error"]  # Ollama's error shape
+        assert "not implemented yet" in response.json()["error"]
+    response = post(url, {"model": "no-such-model", "keep_alive": 0})
+    assert (response.status_code, response.json()) == (
+        404,
+        {"error": "model 'no-such-model' not found"},
+    )
+    for bad in [b'{"model": ', b"[1, 2]", b'{"keep_alive": 0}']:
+        response = post(url, bad)
+        assert response.status_code == 400 and response.json()["error"], bad
+    # The API key guards these routes as every other one.
+    assert_envelope(post(url, {"model": MODEL_ID, "keep_alive": 0}, key=None), 401)
+    assert_envelope(httpx.get(f"{server}/api/ps"), 401)
+    with_key = httpx.get(f"{server}/api/ps", headers={"Authorization": f"Bearer {KEY}"})
+    assert with_key.status_code == 200 and isinstance(with_key.json()["models"], list)
+
+
+# -- CORS -----------------------------------------------------------------------------------
+
+APP_ORIGIN = "http://app.example:5173"  # not local: only a listed origin gets through
+
+
+def preflight(url: str, origin: str, **headers) -> httpx.Response:
+    headers = {"Origin": origin, "Access-Control-Request-Method": "POST", **headers}
+    return httpx.options(url, headers=headers)
+
+
+def test_without_cors_options_is_answered_and_no_origin_is_allowed(server):
+    chat_url = f"{server}/v1/chat/completions"
+    response = httpx.options(chat_url)  # no key needed: OPTIONS reveals nothing
+    assert response.status_code == 204 and response.headers["allow"] == "OPTIONS, POST"
+    assert httpx.options(f"{server}/v1/models").headers["allow"] == "GET, OPTIONS"
+    assert_envelope(httpx.options(f"{server}/v1/nothing"), 404)
+    for origin in ["http://localhost:3000", "http://evil.example"]:
+        response = preflight(chat_url, origin)
+        assert_envelope(response, 403, code="invalid_origin")
+        assert "access-control-allow-origin" not in response.headers
+    auth = {"Authorization": f"Bearer {KEY}", "Origin": "http://localhost:3000"}
+    response = httpx.get(f"{server}/v1/models", headers=auth)
+    assert response.status_code == 200 and "access-control-allow-origin" not in response.headers
+
+
+def test_cors_for_listed_origins():
+    with running_server(api_key=KEY, cors_origins=[APP_ORIGIN, "http://localhost:*"]) as (url, app):
+        chat_url = f"{url}/v1/chat/completions"
+        asked = "authorization, content-type, x-stainless-os, x-stainless-retry-count"
+        response = preflight(
+            chat_url,
+            APP_ORIGIN,
+            **{
+                "Access-Control-Request-Headers": asked,
+                "Access-Control-Request-Private-Network": "true",
+            },
+        )
+        assert response.status_code == 204, response.text
+        assert response.headers["access-control-allow-origin"] == APP_ORIGIN
+        assert "POST" in response.headers["access-control-allow-methods"]
+        allowed = response.headers["access-control-allow-headers"].lower().split(", ")
+        assert set(asked.split(", ")) <= set(allowed)
+        assert int(response.headers["access-control-max-age"]) > 0
+        assert response.headers["access-control-allow-private-network"] == "true"
+        assert "origin" in response.headers["vary"].lower()
+        # A pattern, as OLLAMA_ORIGINS takes them.
+        response = preflight(f"{url}/v1/models", "http://localhost:3000")
+        assert response.headers["access-control-allow-origin"] == "http://localhost:3000"
+        # An unlisted origin is refused, as without CORS.
+        for request in (
+            preflight(chat_url, "http://evil.example"),
+            post(chat_url, {}, headers={"Origin": "http://evil.example"}),
+        ):
+            assert_envelope(request, 403, code="invalid_origin")
+            assert "access-control-allow-origin" not in request.headers
+
+        # Every answer to a listed origin says so: JSON, errors, streams.
+        origin = {"Origin": APP_ORIGIN}
+        good = {"model": MODEL_ID, "messages": HELLO, "max_tokens": 2}
+        answers = [
+            httpx.get(f"{url}/v1/models", headers={**origin, "Authorization": f"Bearer {KEY}"}),
+            httpx.get(f"{url}/v1/models", headers=origin),  # 401
+            post(chat_url, {**good, "model": "nope"}, headers=origin),  # 404
+            post(chat_url, {**good, "n": 2}, headers=origin),  # 400
+            post(f"{url}/api/generate", {"model": MODEL_ID}, headers=origin),  # 501
+        ]
+        assert [a.status_code for a in answers] == [200, 401, 404, 400, 501]
+        for answer in answers:
+            assert answer.headers["access-control-allow-origin"] == APP_ORIGIN
+        with httpx.stream(
+            "POST",
+            chat_url,
+            json={**good, "stream": True},
+            headers={**origin, "Authorization": f"Bearer {KEY}"},
+            timeout=60,
+        ) as stream:
+            assert stream.headers["access-control-allow-origin"] == APP_ORIGIN
+            assert list(stream.iter_lines())[-2] == "data: [DONE]"
+
+        # An unexpected error is answered outside the middleware; it says so too.
+        def broken():
+            raise RuntimeError("boom")
+
+        app.state.localllm.engine.stats = broken
+        response = httpx.get(f"{url}/health", headers=origin)
+        assert_envelope(response, 500)
+        assert response.headers["access-control-allow-origin"] == APP_ORIGIN
+
+
+def test_cors_origins_are_checked():
+    for bad in ["localhost:3000", "http://app.example/path", "http://", "file"]:
+        with pytest.raises(LocalLLMError, match="not an origin"):
+            create_app([str(model_path("smollm2-135m"))], cors_origins=[bad])
+    policy = CORSPolicy(["HTTP://App.Example:5173/", "http://[::1]:3000", "https://*.example.org"])
+    assert policy.origins == [
+        "http://app.example:5173",
+        "http://[::1]:3000",
+        "https://*.example.org",
+    ]
+    assert policy.allows("http://app.example:5173") and policy.allows("http://[::1]:3000")
+    assert policy.allows("https://a.b.example.org")
+    for other in [
+        None,
+        "",
+        "http://app.example",
+        "http://app.example:51730",
+        "https://example.org",
+    ]:
+        assert not policy.allows(other), other
+    assert CORSPolicy([]).origins == [] and not CORSPolicy([" ", ""]).allows("http://a")
+    assert CORSPolicy(["*"]).allows("http://anything.example")
+    assert cors_warning(["http://a.example"]) is None
+    assert "any web page" in cors_warning(["*"])

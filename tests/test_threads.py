@@ -6,7 +6,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 import pytest
-from conftest import model_path
+from real_models import model_path
 
 from localllm.backend import CPUBackend
 from localllm.threads import GOMP_SPINCOUNT, ThreadTuner, configure_environment, physical_cores
