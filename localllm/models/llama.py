@@ -2,6 +2,8 @@
 
 They share one block: pre-RMSNorm, GQA attention with RoPE, SwiGLU MLP. Qwen2 adds Q/K/V
 biases, which the transformer picks up from the tensors present, and uses NeoX-style RoPE.
+Llama 3.1+ files carry rope_freqs.weight (the transformer applies it when present); linear and
+YaRN scaling come from the rope.scaling.* metadata (config.rope_scaling).
 """
 
 from __future__ import annotations
