@@ -36,6 +36,7 @@ class ModelConfig:
     activation: str = "silu"  # "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation)
     embed_scale: float = 1.0  # token embeddings are multiplied by this (Gemma: sqrt(dim))
     attn_scale: float = 0.0  # 0 means 1 / sqrt(head_dim)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (attn_q_norm, attn_k_norm)
     # Per layer: attention window (0 = global) and RoPE base; empty means global / rope_theta.
     layer_windows: tuple[int, ...] = field(default_factory=tuple)
     layer_rope_theta: tuple[float, ...] = field(default_factory=tuple)

@@ -1,8 +1,9 @@
 """The decoder-only transformer every supported architecture runs on, driven by ModelConfig.
 
-Optional pieces are chosen by the tensors the file holds: Q/K/V biases (qwen2), QK-norm and
-post-norms (gemma3), RoPE frequency factors (rope_freqs, Llama 3.1+), a separate output matrix
-(else the embedding is tied). All buffers are allocated here, once; `forward` only fills them.
+Optional pieces are chosen by the tensors the file holds: Q/K/V biases (qwen2), post-norms
+(gemma3), RoPE frequency factors (rope_freqs, Llama 3.1+), a separate output matrix (else the
+embedding is tied); QK-norm (gemma3, qwen3) by the config. All buffers are allocated here, once;
+`forward` only fills them.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class Transformer:
 
     def _layer(self, i: int) -> Layer:
         b, p = self.backend, f"blk.{i}."
+        qk_norm = self.config.qk_norm
         return Layer(
             attn_norm=b.vector(self._tensor(p + "attn_norm.weight")),
             wq=b.weight(self._tensor(p + "attn_q.weight")),
@@ -118,8 +120,8 @@ class Transformer:
             bq=self._optional_vector(p + "attn_q.bias"),
             bk=self._optional_vector(p + "attn_k.bias"),
             bv=self._optional_vector(p + "attn_v.bias"),
-            q_norm=self._optional_vector(p + "attn_q_norm.weight"),
-            k_norm=self._optional_vector(p + "attn_k_norm.weight"),
+            q_norm=b.vector(self._tensor(p + "attn_q_norm.weight")) if qk_norm else None,
+            k_norm=b.vector(self._tensor(p + "attn_k_norm.weight")) if qk_norm else None,
             post_attn_norm=self._optional_vector(p + "post_attention_norm.weight"),
             post_ffn_norm=self._optional_vector(p + "post_ffw_norm.weight"),
         )
