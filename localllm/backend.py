@@ -80,9 +80,15 @@ class Backend(Protocol):
     def rope(self, x: Array, cos: Array, sin: Array, neox: bool) -> None: ...
 
     def rope_tables(
-        self, positions: np.ndarray, rope_dim: int, theta_base: float, freq_scale: float
+        self,
+        positions: np.ndarray,
+        rope_dim: int,
+        theta_base: float,
+        scaling: ops.RopeScaling,
+        freq_factors: np.ndarray | None,
     ) -> tuple[Array, Array]:
-        """(cos, sin): float32[n_tokens, rope_dim // 2] each, for int64 positions."""
+        """(cos, sin): float32[n_tokens, rope_dim // 2] each, for int64 positions, made on the
+        host by ops.rope_tables (freq_factors: host float32[rope_dim // 2] or None)."""
         ...
 
     def attention(
@@ -262,10 +268,15 @@ class CPUBackend:
         ops.rope(x, cos, sin, neox)
 
     def rope_tables(
-        self, positions: np.ndarray, rope_dim: int, theta_base: float, freq_scale: float
+        self,
+        positions: np.ndarray,
+        rope_dim: int,
+        theta_base: float,
+        scaling: ops.RopeScaling,
+        freq_factors: np.ndarray | None,
     ):
         """(cos, sin): float32[n_tokens, rope_dim // 2] each, for int64 positions."""
-        return ops.rope_cos_sin(positions, rope_dim, np.float32(theta_base), np.float32(freq_scale))
+        return ops.rope_tables(positions, rope_dim, theta_base, scaling, freq_factors)
 
     def attention(self, q, k_cache, v_cache, start_pos, window, scale, out) -> np.ndarray:
         """With llama_cpp_rounding, q (overwritten) and the softmax probabilities are rounded to

@@ -11,6 +11,7 @@ logits stay close to llama.cpp's.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from llvmlite import ir
@@ -52,23 +53,112 @@ def rmsnorm_heads(x, weight, eps):
                 x[t, h, j] = x[t, h, j] * scale * weight[j]
 
 
+@dataclass(frozen=True)
+class RopeScaling:
+    """How positions are stretched for a longer context: the parameters llama.cpp passes to
+    ggml_rope_ext (see `rope_tables`; models/config.py reads them from the GGUF metadata).
+
+    freq_scale: positions are multiplied by it (linear and YaRN scaling: 1 / rope.scaling.factor).
+    ext_factor: YaRN's extrapolation mix (1 for yarn, 0 otherwise): pairs whose wavelength fits
+    the original context n_ctx_orig keep their unscaled angle, the others are interpolated, with
+    a linear ramp between the correction dims that beta_fast and beta_slow (rotations) give.
+    attn_factor: cos and sin are multiplied by it (llama.cpp's yarn_attn_factor); with YaRN, ggml
+    multiplies it again by 1 + 0.1 ln(1 / freq_scale).
+    """
+
+    freq_scale: float = 1.0
+    ext_factor: float = 0.0
+    attn_factor: float = 1.0
+    n_ctx_orig: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+NO_SCALING = RopeScaling()
+
+
+def _logf(x) -> np.float32:
+    """logf in float32, correctly rounded (as glibc's logf is)."""
+    return np.float32(math.log(np.float32(x)))
+
+
+def yarn_corr_dims(
+    rope_dim: int, n_ctx_orig: int, theta_base: float, beta_fast: float, beta_slow: float
+) -> tuple[np.float32, np.float32]:
+    """The pairs YaRN's ramp runs between, in float32 as ggml_rope_yarn_corr_dims computes them:
+    the pair index where a pair turns beta rotations over n_ctx_orig positions."""
+    f32 = np.float32
+
+    def corr_dim(n_rot):
+        ratio = f32(n_ctx_orig) / f32(f32(f32(n_rot) * f32(2.0)) * f32(math.pi))
+        return f32(f32(rope_dim) * _logf(ratio)) / f32(f32(2.0) * _logf(theta_base))
+
+    start = f32(math.floor(corr_dim(beta_fast)))
+    end = f32(math.ceil(corr_dim(beta_slow)))
+    return max(f32(0.0), start), min(f32(rope_dim - 1), end)
+
+
+def rope_tables(
+    positions: np.ndarray,
+    rope_dim: int,
+    theta_base: float,
+    scaling: RopeScaling = NO_SCALING,
+    freq_factors: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin): float32[n_tokens, rope_dim // 2] each, for int64 positions, as ggml_rope_ext
+    makes them. freq_factors: float32[rope_dim // 2] or None; pair i's angle is divided by
+    freq_factors[i] (the file's rope_freqs.weight: Llama 3.1+'s llama3 scaling)."""
+    s = scaling
+    n_pairs = rope_dim // 2
+    if freq_factors is None:
+        freq_factors = np.ones(n_pairs, dtype=np.float32)
+    low, high = np.float32(0.0), np.float32(0.0)
+    mscale = np.float32(s.attn_factor)
+    if s.ext_factor != 0.0:
+        low, high = yarn_corr_dims(rope_dim, s.n_ctx_orig, theta_base, s.beta_fast, s.beta_slow)
+        inverse = np.float32(np.float32(1.0) / np.float32(s.freq_scale))
+        mscale = np.float32(mscale * np.float32(1.0 + np.float32(0.1) * _logf(inverse)))
+    return rope_cos_sin(
+        np.asarray(positions, dtype=np.int64),
+        rope_dim,
+        np.float32(theta_base),
+        np.float32(s.freq_scale),
+        np.ascontiguousarray(freq_factors, dtype=np.float32),
+        np.float32(s.ext_factor),
+        mscale,
+        low,
+        high,
+    )
+
+
 @njit(cache=True)
-def rope_cos_sin(positions, rope_dim, theta_base, freq_scale):
-    """cos and sin tables: float32[n_tokens, rope_dim // 2] each.
+def rope_cos_sin(
+    positions, rope_dim, theta_base, freq_scale, freq_factors, ext_factor, mscale, low, high
+):
+    """The tables of `rope_tables`, in float32 step by step as ggml's rope_yarn (ops.cpp).
 
     theta is built by repeated multiplication in float32, as ggml_rope does, rather than with
-    pow per pair: the last bits of the angle then match llama.cpp's.
+    pow per pair: the last bits of the angle then match llama.cpp's. Without YaRN (ext_factor 0)
+    the angle is freq_scale * position * theta_scale**i / freq_factors[i]; with it, pairs below
+    the correction dim `low` keep the unscaled angle and those above `high` the scaled one.
     """
     n_pairs = rope_dim // 2
+    one = np.float32(1.0)
     theta_scale = np.float32(theta_base ** (-2.0 / rope_dim))
     cos = np.empty((positions.shape[0], n_pairs), dtype=np.float32)
     sin = np.empty((positions.shape[0], n_pairs), dtype=np.float32)
     for t in range(positions.shape[0]):
         theta = np.float32(positions[t])
         for i in range(n_pairs):
-            angle = np.float32(theta * np.float32(freq_scale))
-            cos[t, i] = math.cos(angle)
-            sin[t, i] = math.sin(angle)
+            extrap = np.float32(theta / freq_factors[i])
+            angle = np.float32(freq_scale * extrap)
+            if ext_factor != 0.0:
+                y = np.float32((np.float32(i) - low) / max(np.float32(0.001), high - low))
+                ramp = np.float32(one - min(one, max(np.float32(0.0), y)))
+                mix = np.float32(ramp * ext_factor)
+                angle = np.float32(angle * np.float32(one - mix) + np.float32(extrap * mix))
+            cos[t, i] = np.float32(math.cos(angle)) * mscale
+            sin[t, i] = np.float32(math.sin(angle)) * mscale
             theta = np.float32(theta * theta_scale)
     return cos, sin
 

@@ -209,8 +209,11 @@ def test_cuda_rope_both_styles(neox):
     x = rng.standard_normal((3, 2, 16)).astype(np.float32)
     positions = np.array([5, 6, 7], dtype=np.int64)
     b = backend()
-    cos, sin = b.rope_tables(positions, 12, 10000.0, 0.5)  # rope_dim < head_dim: a partial rotation
-    cos_ref, sin_ref = ops.rope_cos_sin(positions, 12, np.float32(10000.0), np.float32(0.5))
+    # rope_dim < head_dim: a partial rotation; YaRN scaling and frequency factors
+    scaling = ops.RopeScaling(freq_scale=0.5, ext_factor=1.0, attn_factor=0.9, n_ctx_orig=4)
+    factors = np.linspace(1.0, 8.0, 6, dtype=np.float32)
+    cos, sin = b.rope_tables(positions, 12, 10000.0, scaling, factors)
+    cos_ref, sin_ref = ops.rope_tables(positions, 12, 10000.0, scaling, factors)
     np.testing.assert_array_equal(b.to_host(cos), cos_ref)
     np.testing.assert_array_equal(b.to_host(sin), sin_ref)
     dx = to_device(x)

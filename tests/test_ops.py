@@ -50,9 +50,51 @@ def test_rope_matches_numpy(neox):
     x = rng.standard_normal((4, 3, 64)).astype(np.float32)
     positions = np.array([0, 1, 7, 300], dtype=np.int64)
     ref = _rope_ref(x, positions, 10000.0, neox, 64)
-    cos, sin = ops.rope_cos_sin(positions, 64, np.float32(10000.0), np.float32(1.0))
+    cos, sin = ops.rope_tables(positions, 64, 10000.0)
     ops.rope(x, cos, sin, neox)
     np.testing.assert_allclose(x, ref, rtol=1e-4, atol=1e-4)
+
+
+def _rope_tables_ref(positions, rope_dim, base, scaling, factors):
+    """ggml_rope_ext's cos/sin in float64, from its formulas (rope_yarn, corr_dims)."""
+    s = scaling
+    i = np.arange(rope_dim // 2)
+    extrap = positions[:, None] * base ** (-2.0 * i / rope_dim) / factors
+    angle, mscale = s.freq_scale * extrap, s.attn_factor
+    if s.ext_factor:
+
+        def corr_dim(n_rot):
+            return rope_dim * math.log(s.n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(0, math.floor(corr_dim(s.beta_fast)))
+        high = min(rope_dim - 1, math.ceil(corr_dim(s.beta_slow)))
+        mix = (1 - np.clip((i - low) / max(0.001, high - low), 0, 1)) * s.ext_factor
+        angle = angle * (1 - mix) + extrap * mix
+        mscale *= 1 + 0.1 * math.log(1 / s.freq_scale)
+    return np.cos(angle) * mscale, np.sin(angle) * mscale
+
+
+@pytest.mark.parametrize("kind", ["plain", "linear", "factors", "yarn"])
+def test_rope_tables_scaling_and_factors(kind):
+    """Linear scaling, per-pair frequency factors (rope_freqs) and YaRN against float64."""
+    positions = np.array([0, 1, 63, 64, 150, 511], dtype=np.int64)
+    factors = np.ones(16, np.float32)
+    scaling = ops.RopeScaling()
+    if kind == "linear":
+        scaling = ops.RopeScaling(freq_scale=0.25)
+    elif kind == "factors":
+        factors = np.linspace(1.0, 32.0, 16, dtype=np.float32)
+    elif kind == "yarn":
+        scaling = ops.RopeScaling(freq_scale=0.25, ext_factor=1.0, attn_factor=0.95, n_ctx_orig=64)
+        # ggml's ramp over pairs: floor/ceil of 32 ln(64 / (beta 2 pi)) / (2 ln 10000)
+        assert ops.yarn_corr_dims(32, 64, 10000.0, 32.0, 1.0) == (0.0, 5.0)
+    cos, sin = ops.rope_tables(positions, 32, 10000.0, scaling, factors)
+    cos_ref, sin_ref = _rope_tables_ref(positions, 32, 10000.0, scaling, factors)
+    np.testing.assert_allclose(cos, cos_ref, atol=2e-4)
+    np.testing.assert_allclose(sin, sin_ref, atol=2e-4)
+    if kind != "plain":  # and the scaling changed them
+        plain_cos, _ = ops.rope_tables(positions, 32, 10000.0)
+        assert np.abs(cos - plain_cos).max() > 0.1
 
 
 def _attention_ref(q, k, v, start_pos, window, scale):

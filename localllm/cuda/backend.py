@@ -169,16 +169,17 @@ class CUDABackend:
         kernels.rope[_flat_launch(n_tokens * n_heads * cos.shape[1])](x, cos, sin, bool(neox))
 
     def rope_tables(
-        self, positions: np.ndarray, rope_dim: int, theta_base: float, freq_scale: float
+        self,
+        positions: np.ndarray,
+        rope_dim: int,
+        theta_base: float,
+        scaling: ops.RopeScaling,
+        freq_factors: np.ndarray | None,
     ):
         """(cos, sin): float32[n_tokens, rope_dim // 2] each on the device; computed on the host
-        with the CPU backend's function, so both backends rotate by the same angles."""
-        cos, sin = ops.rope_cos_sin(
-            np.asarray(positions, dtype=np.int64),
-            rope_dim,
-            np.float32(theta_base),
-            np.float32(freq_scale),
-        )
+        with the CPU backend's function (scaling and frequency factors included), so both
+        backends rotate by the same angles."""
+        cos, sin = ops.rope_tables(positions, rope_dim, theta_base, scaling, freq_factors)
         return cuda.to_device(cos), cuda.to_device(sin)
 
     def attention(self, q, k_cache, v_cache, start_pos: int, window: int, scale: float, out):

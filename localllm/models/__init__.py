@@ -12,7 +12,7 @@ from localllm.errors import LocalLLMError
 from localllm.gguf import GGUFFile, read_gguf
 from localllm.models.config import ModelConfig
 from localllm.models.gemma3 import gemma3_config
-from localllm.models.llama import llama_config, mistral_config, qwen2_config
+from localllm.models.llama import llama_config, mistral_config, qwen2_config, qwen3_config
 from localllm.models.transformer import Transformer
 from localllm.tokenizer import Tokenizer
 
@@ -21,6 +21,7 @@ ARCHITECTURES: dict[str, Callable[[Mapping[str, Any], int], ModelConfig]] = {
     "llama": llama_config,
     "mistral": mistral_config,
     "qwen2": qwen2_config,
+    "qwen3": qwen3_config,
     "gemma3": gemma3_config,
 }
 

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from localllm.errors import LocalLLMError
+from localllm.ops import RopeScaling
+
+ROPE_SCALING_TYPES = ("none", "linear", "yarn")
 
 
 @dataclass(frozen=True)
@@ -26,10 +32,11 @@ class ModelConfig:
     rope_theta: float
     rope_dim: int
     rope_neox: bool  # rotate (i, i + d/2) instead of adjacent pairs
-    rope_freq_scale: float = 1.0
+    rope_scaling: RopeScaling = RopeScaling()  # linear / YaRN context extension (global layers)
     activation: str = "silu"  # "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation)
     embed_scale: float = 1.0  # token embeddings are multiplied by this (Gemma: sqrt(dim))
     attn_scale: float = 0.0  # 0 means 1 / sqrt(head_dim)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (attn_q_norm, attn_k_norm)
     # Per layer: attention window (0 = global) and RoPE base; empty means global / rope_theta.
     layer_windows: tuple[int, ...] = field(default_factory=tuple)
     layer_rope_theta: tuple[float, ...] = field(default_factory=tuple)
@@ -71,8 +78,7 @@ def base_config(
         raise LocalLLMError(
             f"{n_heads} attention heads cannot be grouped over {n_kv_heads} KV heads"
         )
-    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
-    factor = float(metadata.get(f"{arch}.rope.scaling.factor", 1.0))
+    n_ctx_train = int_meta(metadata, f"{arch}.context_length", 2048)
     values = dict(
         arch=arch,
         n_layers=int_meta(metadata, f"{arch}.block_count"),
@@ -82,12 +88,52 @@ def base_config(
         head_dim=head_dim,
         ffn_dim=int_meta(metadata, f"{arch}.feed_forward_length"),
         vocab_size=vocab_size,
-        n_ctx_train=int_meta(metadata, f"{arch}.context_length", 2048),
+        n_ctx_train=n_ctx_train,
         rms_eps=float(meta(metadata, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta(metadata, f"{arch}.rope.freq_base", 10000.0)),
         rope_dim=int_meta(metadata, f"{arch}.rope.dimension_count", head_dim),
         rope_neox=False,
-        rope_freq_scale=1.0 / factor if scaling == "linear" and factor > 0 else 1.0,
+        rope_scaling=rope_scaling(metadata, arch, n_ctx_train),
     )
     values.update(overrides)
     return ModelConfig(**values)
+
+
+def rope_scaling(metadata: Mapping[str, Any], arch: str, n_ctx_train: int) -> RopeScaling:
+    """RoPE scaling as llama.cpp reads and applies it (llama_model::load_hparams, then the
+    context's yarn parameters in llama_context's constructor), in float32 as it computes them.
+
+    The type defaults to linear, so a factor without a type scales linearly; "none" never
+    scales. YaRN mixes extrapolated angles back in (ext_factor 1) between the correction dims of
+    beta_fast 32 and beta_slow 1 over `rope.scaling.original_context_length` (default: the
+    training context). llama.cpp reads no rope.scaling.yarn_* keys for these architectures, so
+    neither does this. Its magnitude factor get_mscale(factor) is cancelled against the one ggml
+    applies again inside the rope (llama.cpp PR 17945), leaving `rope.scaling.attn_factor`.
+    """
+    f32 = np.float32
+    kind = metadata.get(f"{arch}.rope.scaling.type", "linear")
+    if kind not in ROPE_SCALING_TYPES:
+        raise LocalLLMError(
+            f"unsupported RoPE scaling type {kind!r} ({arch}.rope.scaling.type); "
+            f"supported: {', '.join(ROPE_SCALING_TYPES)}"
+        )
+    factor = metadata.get(f"{arch}.rope.scaling.factor")
+    if factor is None:
+        factor = metadata.get(f"{arch}.rope.scale_linear", 0.0)  # the old key
+    freq_scale = f32(1.0) if float(factor) == 0.0 else f32(f32(1.0) / f32(factor))
+    if kind == "none":
+        freq_scale = f32(1.0)
+    attn_factor = f32(metadata.get(f"{arch}.rope.scaling.attn_factor", 1.0))
+    if kind != "yarn":
+        return RopeScaling(freq_scale=float(freq_scale), attn_factor=float(attn_factor))
+    n_ctx_orig = int_meta(metadata, f"{arch}.rope.scaling.original_context_length", n_ctx_train)
+    factor = f32(f32(1.0) / freq_scale)
+    log_factor = f32(math.log(factor))
+    mscale = f32(1.0) if factor <= 1.0 else f32(f32(f32(0.1) * log_factor) + f32(1.0))
+    yarn_attn = f32(mscale * f32(f32(1.0) / f32(f32(1.0) + f32(f32(0.1) * log_factor))))
+    return RopeScaling(
+        freq_scale=float(freq_scale),
+        ext_factor=1.0,
+        attn_factor=float(f32(yarn_attn * attn_factor)),
+        n_ctx_orig=n_ctx_orig,
+    )

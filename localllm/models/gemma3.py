@@ -19,7 +19,9 @@ ROPE_THETA_LOCAL = 10000.0
 
 
 def gemma3_config(metadata: Mapping[str, Any], vocab_size: int) -> ModelConfig:
-    config = base_config(metadata, "gemma3", vocab_size, rope_neox=True, activation="gelu")
+    config = base_config(
+        metadata, "gemma3", vocab_size, rope_neox=True, activation="gelu", qk_norm=True
+    )
     window = int_meta(metadata, "gemma3.attention.sliding_window", 4096)
     theta_local = float(metadata.get("gemma3.rope.freq_base_swa", ROPE_THETA_LOCAL))
     is_local = [(i + 1) % SWA_PATTERN != 0 for i in range(config.n_layers)]

@@ -1,12 +1,14 @@
 """The decoder-only transformer every supported architecture runs on, driven by ModelConfig.
 
-Optional pieces are chosen by the tensors the file holds: Q/K/V biases (qwen2), QK-norm and
-post-norms (gemma3), a separate output matrix (else the embedding is tied). All buffers are
-allocated here, once; `forward` only fills them.
+Optional pieces are chosen by the tensors the file holds: Q/K/V biases (qwen2), post-norms
+(gemma3), RoPE frequency factors (rope_freqs, Llama 3.1+), a separate output matrix (else the
+embedding is tied); QK-norm (gemma3, qwen3) by the config. All buffers are allocated here, once;
+`forward` only fills them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,6 +73,7 @@ class Transformer:
         out = self._tensors.get("output.weight")
         self.output = b.weight(out) if out is not None else self.token_embd
         self.layers = [self._layer(i) for i in range(config.n_layers)]
+        self.rope_freqs = self._rope_freqs()  # host float32[rope_dim // 2] or None
         self._check_shapes()
         self.scratch = Scratch(config, n_batch, backend.zeros)
         self.cache = self.new_cache(n_ctx)
@@ -87,8 +90,23 @@ class Transformer:
         tensor = self._tensors.get(name)
         return None if tensor is None else self.backend.vector(tensor)
 
+    def _rope_freqs(self) -> np.ndarray | None:
+        """rope_freqs.weight, the per-pair divisors of the RoPE angles that Llama 3.1+'s files
+        carry (the converter's llama3 scaling); the tables are made on the host."""
+        tensor = self._tensors.get("rope_freqs.weight")
+        if tensor is None:
+            return None
+        n_pairs = self.config.rope_dim // 2
+        if tensor.ggml_type != 0 or tensor.data.nbytes != 4 * n_pairs:
+            raise LocalLLMError(
+                f"tensor rope_freqs.weight should be {n_pairs} F32 values (rope_dim / 2), "
+                f"is {tensor.type_name} {tensor.shape}; the file is inconsistent"
+            )
+        return np.ascontiguousarray(tensor.data.view(np.float32).reshape(-1))
+
     def _layer(self, i: int) -> Layer:
         b, p = self.backend, f"blk.{i}."
+        qk_norm = self.config.qk_norm
         return Layer(
             attn_norm=b.vector(self._tensor(p + "attn_norm.weight")),
             wq=b.weight(self._tensor(p + "attn_q.weight")),
@@ -102,8 +120,8 @@ class Transformer:
             bq=self._optional_vector(p + "attn_q.bias"),
             bk=self._optional_vector(p + "attn_k.bias"),
             bv=self._optional_vector(p + "attn_v.bias"),
-            q_norm=self._optional_vector(p + "attn_q_norm.weight"),
-            k_norm=self._optional_vector(p + "attn_k_norm.weight"),
+            q_norm=b.vector(self._tensor(p + "attn_q_norm.weight")) if qk_norm else None,
+            k_norm=b.vector(self._tensor(p + "attn_k_norm.weight")) if qk_norm else None,
             post_attn_norm=self._optional_vector(p + "post_attention_norm.weight"),
             post_ffn_norm=self._optional_vector(p + "post_ffw_norm.weight"),
         )
@@ -212,9 +230,13 @@ class Transformer:
                 interrupt()
             window = c.window(i)
             key = (c.theta(i), window == 0)
-            if key not in tables:
-                freq_scale = c.rope_freq_scale if window == 0 else 1.0
-                tables[key] = b.rope_tables(positions, c.rope_dim, c.theta(i), freq_scale)
+            if key not in tables:  # sliding-window layers run unscaled (gemma3)
+                scaling = c.rope_scaling
+                if window:
+                    scaling = dataclasses.replace(scaling, freq_scale=1.0)
+                tables[key] = b.rope_tables(
+                    positions, c.rope_dim, c.theta(i), scaling, self.rope_freqs
+                )
             cos, sin = tables[key]
             k_cache, v_cache = cache.k[i], cache.v[i]
             self._attention_block(

@@ -1,0 +1,369 @@
+"""Small random-weight GGUF models of each architecture, as llama.cpp's converter writes them.
+
+`CASES` names one model per architecture feature worth checking against llama.cpp (RoPE
+scaling, head sizes, QK-norm, ...); `write_case(case, path)` writes its GGUF file with gguf-py's
+GGUFWriter, deterministically from the case's seed, and `prompts(case)` gives its fixed prompts
+(token ids). scripts/make-arch-references writes each file and llama.cpp's output on it into
+tests/fixtures/architectures/; tests/test_architectures.py compares localllm with that.
+
+Tensor names and metadata keys are those of convert_hf_to_gguf.py for the architecture (the
+llama3 `rope_freqs.weight` is computed as its LlamaModel.generate_extra_tensors computes it).
+The vocabulary is a tiny gpt2-style byte-level BPE: the 256 byte tokens, merges that spell a few
+dozen English words, and the architecture's special tokens.
+
+The weights are scaled so that the models have something to say: every matrix has gain `gain`
+over 1 / sqrt(n_in), q and k enough to make attention depend on position (scores of a few
+units), and the output head gives logits spread by a few units, so that top-2 gaps are mostly
+above 0.5 and greedy continuations do not repeat one token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf.constants import GGMLQuantizationType
+
+# Words the merges spell out (with and without a leading space): enough for a few hundred tokens.
+_WORDS = (
+    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by",
+    "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an",
+    "they", "you", "were", "her", "she", "there", "one", "all", "we", "model", "token", "layer",
+    "position", "rotate",
+)  # fmt: skip
+
+TOKENIZERS = {
+    # name: (tokenizer.ggml.pre, special tokens: bos, eos, others), as the real families have
+    "llama3": ("llama-bpe", ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>")),
+    "qwen": ("qwen2", ("<|endoftext|>", "<|im_start|>", "<|im_end|>")),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One random model: its shape, weight types, RoPE and prompts."""
+
+    name: str
+    arch: str  # general.architecture
+    description: str
+    seed: int
+    n_layers: int = 2
+    dim: int = 128
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 32
+    ffn_dim: int = 160
+    context_length: int = 2048
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    tokenizer: str = "llama3"
+    tied_embeddings: bool = True
+    write_head_dim: bool = False  # key_length/value_length, as the converter writes for head_dim
+    # GGML type per weight kind: embd, output, attn (q/k/v/o), ffn (gate/up/down). F16 keeps the
+    # comparison tight: llama.cpp then rounds activations to half, where 8-bit quantized weights
+    # take activations rounded to 8 bits, whose rounding flips these sharp models amplify.
+    types: Mapping[str, str] = field(
+        default_factory=lambda: {"embd": "F16", "output": "F16", "attn": "F16", "ffn": "F16"}
+    )
+    # converter's llama3 rope scaling: (factor, low_freq_factor, high_freq_factor, original ctx)
+    llama3_rope: tuple[float, float, float, int] | None = None
+    # rope.scaling.* metadata: ("linear" | "yarn", factor, original context length (yarn only))
+    rope_scaling: tuple[str, float, int] | None = None
+    prompt_lengths: tuple[int, ...] = (24, 90)
+    qk_gain: float = 1.5  # q and k projections: output rms / input rms
+    qk_norm_gain: float = 1.6  # qwen3: the per-head norm weights (score scale after QK-norm)
+    # Small token embeddings (a residual stream that is mostly the last token's own embedding
+    # makes a tied head predict that token again and again) and a large output norm: logits
+    # spread by ~ output_norm_gain * embd_std * sqrt(dim), about 9.
+    embd_std: float = 0.1
+    output_norm_gain: float = 8.0
+
+
+CASES: dict[str, Case] = {
+    c.name: c
+    for c in (
+        Case(
+            "llama3-rope-freqs",
+            "llama",
+            "Llama 3.2 style: rope_freqs.weight from llama3 scaling (factor 32, low 1, high 4, "
+            "original context 8192), theta 500000, head_dim 64, tied embeddings; prompts of "
+            "700-1000 tokens, where the factors turn the low-frequency pairs by tenths of a radian",
+            seed=1,
+            n_heads=2,
+            n_kv_heads=1,
+            head_dim=64,
+            context_length=131072,
+            rope_theta=500000.0,
+            llama3_rope=(32.0, 1.0, 4.0, 8192),
+            prompt_lengths=(700, 1000),
+        ),
+        Case(
+            "llama-linear",
+            "llama",
+            "linear RoPE scaling (rope.scaling.type linear, factor 4): positions divided by 4; "
+            "prompts of 70-120 tokens",
+            seed=2,
+            rope_scaling=("linear", 4.0, 0),
+            prompt_lengths=(70, 120),
+        ),
+        Case(
+            "llama-yarn",
+            "llama",
+            "YaRN, factor 4 over an original context of 64 (ramp between pairs 0 and 5 of 16), "
+            "the magnitude correction on cos/sin; prompts of 70-120 tokens",
+            seed=3,
+            context_length=256,
+            rope_scaling=("yarn", 4.0, 64),
+            prompt_lengths=(70, 120),
+        ),
+        Case(
+            "mistral-nemo-style",
+            "llama",
+            "Mistral Nemo / Small style llama file: head_dim (key_length) 32 with 6 heads on a 128 "
+            "embedding (q is 192 wide, not dim), theta 1e6, an untied output head",
+            seed=4,
+            n_heads=6,
+            n_kv_heads=2,
+            head_dim=32,
+            rope_theta=1000000.0,
+            tied_embeddings=False,
+            write_head_dim=True,
+            embd_std=0.8,  # an untied head needs no small embeddings
+            output_norm_gain=1.0,
+            ffn_dim=256,
+            types={"embd": "Q8_0", "output": "Q4_0", "attn": "Q8_0", "ffn": "Q5_0"},
+            prompt_lengths=(30, 100),
+        ),
+        Case(
+            "qwen3",
+            "qwen3",
+            "Qwen3 style: per-head q_norm/k_norm before NeoX RoPE, no q/k/v biases, head_dim 48 "
+            "with 4 heads (q is 192 wide) over 1 KV head on a 128 embedding, theta 1e6, tied "
+            "embeddings",
+            seed=5,
+            n_heads=4,
+            n_kv_heads=1,
+            head_dim=48,
+            context_length=40960,
+            rope_theta=1000000.0,
+            rms_eps=1e-6,
+            tokenizer="qwen",
+            write_head_dim=True,
+            prompt_lengths=(30, 100),
+        ),
+    )
+}
+
+
+# ---- vocabulary ----
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte -> printable character map (bytes_to_unicode), in byte order."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def vocabulary(tokenizer: str) -> tuple[list[str], list[int], list[str], int, int]:
+    """(tokens, token types, merges, bos id, eos id): byte tokens, one merge per word prefix
+    (so every merge joins two tokens of the vocabulary), then the special tokens."""
+    byte_chars = _byte_chars()
+    tokens = list(byte_chars)
+    known = set(tokens)
+    merges = []
+    space = byte_chars[ord(" ")]
+    for word in _WORDS:
+        for spelled in (word, space + word):
+            for end in range(2, len(spelled) + 1):
+                left, right = spelled[: end - 1], spelled[end - 1]
+                if spelled[:end] not in known:
+                    merges.append(f"{left} {right}")
+                    tokens.append(spelled[:end])
+                    known.add(spelled[:end])
+    types = [gguf.TokenType.NORMAL] * len(tokens)
+    _, specials = TOKENIZERS[tokenizer]
+    first_special = len(tokens)
+    tokens += list(specials)
+    types += [gguf.TokenType.CONTROL] * len(specials)
+    return tokens, [int(t) for t in types], merges, first_special, first_special + 1
+
+
+def n_normal_tokens(case: Case) -> int:
+    """Ids below this are ordinary tokens (prompts are drawn from them)."""
+    return vocabulary(case.tokenizer)[3]
+
+
+# ---- weights ----
+
+
+def llama3_rope_freqs(
+    head_dim: int, theta: float, factor: float, low: float, high: float, old_ctx: int
+) -> np.ndarray:
+    """float32[head_dim // 2] as convert_hf_to_gguf.py's LlamaModel computes rope_freqs for
+    rope_type llama3 (in float32, as its torch code does)."""
+    f32 = np.float32
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / f32(head_dim)
+    freqs = (f32(1.0) / (f32(theta) ** exponents)).astype(np.float32)
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    factors = []
+    for freq in freqs:
+        wavelen = f32(2 * math.pi) / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (f32(old_ctx) / wavelen - f32(low)) / f32(high - low)
+            factors.append(f32(1.0) / ((f32(1.0) - smooth) / f32(factor) + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _weights(case: Case, rng: np.random.Generator) -> dict[str, tuple[str, np.ndarray]]:
+    """name -> (GGML type name, float32 array in numpy order (n_out, n_in))."""
+    c = case
+    n_vocab = len(vocabulary(c.tokenizer)[0])
+    q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+
+    def matrix(n_out, n_in, gain):
+        return (rng.standard_normal((n_out, n_in)) * (gain / math.sqrt(n_in))).astype(np.float32)
+
+    def norm(n, spread=0.1, center=1.0):
+        return (center + rng.standard_normal(n) * spread).astype(np.float32)
+
+    embd = (rng.standard_normal((n_vocab, c.dim)) * c.embd_std).astype(np.float32)
+    tensors = {"token_embd.weight": (c.types["embd"], embd)}
+    tensors["output_norm.weight"] = (
+        "F32",
+        norm(c.dim, 0.1 * c.output_norm_gain, c.output_norm_gain),
+    )
+    if not c.tied_embeddings:
+        out = matrix(n_vocab, c.dim, c.embd_std * math.sqrt(c.dim))
+        tensors["output.weight"] = (c.types.get("output", "F16"), out)
+    if c.llama3_rope is not None:
+        tensors["rope_freqs.weight"] = (
+            "F32",
+            llama3_rope_freqs(c.head_dim, c.rope_theta, *c.llama3_rope),
+        )
+    attn, ffn = c.types["attn"], c.types.get("ffn", c.types["attn"])
+    for i in range(c.n_layers):
+        p = f"blk.{i}."
+        tensors[p + "attn_norm.weight"] = ("F32", norm(c.dim))
+        tensors[p + "attn_q.weight"] = (attn, matrix(q_dim, c.dim, c.qk_gain))
+        tensors[p + "attn_k.weight"] = (attn, matrix(kv_dim, c.dim, c.qk_gain))
+        tensors[p + "attn_v.weight"] = (attn, matrix(kv_dim, c.dim, 1.0))
+        tensors[p + "attn_output.weight"] = (attn, matrix(c.dim, q_dim, 1.0))
+        if c.arch == "qwen3":
+            tensors[p + "attn_q_norm.weight"] = ("F32", norm(c.head_dim, 0.2, c.qk_norm_gain))
+            tensors[p + "attn_k_norm.weight"] = ("F32", norm(c.head_dim, 0.2, c.qk_norm_gain))
+        tensors[p + "ffn_norm.weight"] = ("F32", norm(c.dim))
+        tensors[p + "ffn_gate.weight"] = (ffn, matrix(c.ffn_dim, c.dim, 1.0))
+        tensors[p + "ffn_up.weight"] = (ffn, matrix(c.ffn_dim, c.dim, 1.0))
+        tensors[p + "ffn_down.weight"] = (ffn, matrix(c.dim, c.ffn_dim, 1.0))
+    return tensors
+
+
+# ---- the file ----
+
+
+def write_case(case: Case, path: str | Path, drop: tuple[str, ...] = ()) -> None:
+    """Write the case's GGUF file (tensors named in `drop` left out, for error tests)."""
+    c = case
+    rng = np.random.default_rng(c.seed)
+    tokens, token_types, merges, bos_id, eos_id = vocabulary(c.tokenizer)
+    tensors = _weights(c, rng)
+    writer = gguf.GGUFWriter(str(path), c.arch)
+    writer.add_name(c.name)
+    writer.add_context_length(c.context_length)
+    writer.add_embedding_length(c.dim)
+    writer.add_feed_forward_length(c.ffn_dim)
+    writer.add_block_count(c.n_layers)
+    writer.add_head_count(c.n_heads)
+    writer.add_head_count_kv(c.n_kv_heads)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_layer_norm_rms_eps(c.rms_eps)
+    if c.write_head_dim:
+        writer.add_key_length(c.head_dim)
+        writer.add_value_length(c.head_dim)
+    if c.rope_scaling is not None:
+        kind, factor, original_ctx = c.rope_scaling
+        writer.add_rope_scaling_type(gguf.RopeScalingType(kind))
+        writer.add_rope_scaling_factor(factor)
+        if kind == "yarn":
+            writer.add_rope_scaling_orig_ctx_len(original_ctx)
+    if c.arch == "llama":  # LlamaModel.set_gguf_parameters
+        writer.add_vocab_size(len(tokens))
+        writer.add_rope_dimension_count(c.head_dim)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    pre, _ = TOKENIZERS[c.tokenizer]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(bos_id)
+    writer.add_eos_token_id(eos_id)
+    writer.add_add_bos_token(c.tokenizer == "llama3")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for name, (type_name, array) in tensors.items():
+        if name in drop:
+            continue
+        qtype = GGMLQuantizationType[type_name]
+        if qtype == GGMLQuantizationType.F32:
+            writer.add_tensor(name, array)
+        elif qtype == GGMLQuantizationType.F16:
+            writer.add_tensor(name, array.astype(np.float16))
+        else:
+            raw = gguf.quants.quantize(array, qtype)
+            writer.add_tensor(name, raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def prompts(case: Case) -> list[list[int]]:
+    """The case's fixed prompts: random ordinary tokens (after BOS where the family adds one)."""
+    rng = np.random.default_rng(1000 + case.seed)
+    _, _, _, bos_id, _ = vocabulary(case.tokenizer)
+    out = []
+    for n in case.prompt_lengths:
+        ids = rng.integers(0, n_normal_tokens(case), n).tolist()
+        out.append([bos_id, *ids[1:]] if case.tokenizer == "llama3" else ids)
+    return out
+
+
+def metadata_summary(case: Case) -> dict[str, Any]:
+    """What the reference file records about the case (for a reader, not for the test)."""
+    return {
+        "arch": case.arch,
+        "description": case.description,
+        "shape": {
+            "n_layers": case.n_layers,
+            "dim": case.dim,
+            "n_heads": case.n_heads,
+            "n_kv_heads": case.n_kv_heads,
+            "head_dim": case.head_dim,
+            "ffn_dim": case.ffn_dim,
+            "n_vocab": len(vocabulary(case.tokenizer)[0]),
+        },
+        "types": dict(case.types),
+        "rope_theta": case.rope_theta,
+        "llama3_rope": case.llama3_rope,
+        "rope_scaling": case.rope_scaling,
+    }

@@ -1,0 +1,279 @@
+"""Each architecture against llama.cpp, on small random models (tests/fixtures/architectures/).
+
+Every case is a GGUF file that tests/random_models.py writes as llama.cpp's converter would, with
+llama.cpp's greedy continuation, top-5 logits per step and last logits on fixed prompts beside it
+(scripts/make-arch-references made them; this test needs neither llama.cpp nor the builder to
+run). RoPE scaling cases put their prompts where the scaling changes the angles a lot: dropping
+the scaling moves logits by several units (`test_rope_scaling_is_what_matches`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import random_models
+from typer.testing import CliRunner
+
+from localllm.backend import CPUBackend
+from localllm.cli import app
+from localllm.errors import LocalLLMError
+from localllm.models import load_model
+from localllm.models.config import rope_scaling
+from localllm.models.transformer import Transformer
+from localllm.ops import RopeScaling
+from localllm.quants import intdot
+from localllm.tokenizer import Tokenizer
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "architectures"
+CASE_NAMES = sorted(path.stem for path in FIXTURES.glob("*.json"))
+N_STEPS = 24
+
+# Where llama.cpp's top two logits are closer than this, either token is a fair greedy choice
+# (the issue's bound); after such a step the continuations may part, and are compared no further.
+NEAR_TIE = 0.3
+# Logit tolerances, from the differences measured against llama.cpp over every step of every
+# prompt (greedy, both decode kernels, and teacher-forced), and from how much these sharp random
+# models amplify rounding: the same model with float32 activations instead of ggml's roundings
+# moves its logits by up to 0.07 (F16 weights) and 0.8-2.0 (8-bit quantized weights).
+# F16 weights (activations rounded to half, as ggml rounds them): measured at most 0.028.
+LOGIT_TOL = 0.1
+# 8-bit quantized weights (activations quantized to Q8_0 blocks, where a value on a rounding
+# boundary flips a level): measured at most 0.23 (the float kernels; the integer kernels equal
+# llama.cpp's logits to the printed 5 decimals on the short prompt).
+LOGIT_TOL_QUANTIZED = 0.5
+
+
+def reference(name: str) -> dict:
+    return json.loads((FIXTURES / f"{name}.json").read_text())
+
+
+def tolerance(ref: dict) -> float:
+    quantized = any(t not in ("F32", "F16") for t in ref["types"].values())
+    return LOGIT_TOL_QUANTIZED if quantized else LOGIT_TOL
+
+
+@pytest.fixture(scope="module", params=CASE_NAMES)
+def case(request):
+    name = request.param
+    ref = reference(name)
+    n_ctx = max(len(c["prompt_ids"]) for c in ref["greedy"]) + N_STEPS
+    model = load_model(FIXTURES / f"{name}.gguf", n_ctx=n_ctx, device="cpu")
+    yield ref, model
+    model.close()
+
+
+def test_cases_are_all_there():
+    """Every case of the builder has its fixture pair (scripts/make-arch-references writes them)."""
+    assert sorted(random_models.CASES) == CASE_NAMES
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_fixture_is_the_file_llama_cpp_ran(name):
+    ref = reference(name)
+    data = (FIXTURES / f"{name}.gguf").read_bytes()
+    assert hashlib.sha256(data).hexdigest() == ref["gguf_sha256"]
+    assert len(data) < 700_000  # small fixtures
+    # and the builder's case is still the one the file was written from
+    summary = json.loads(json.dumps(random_models.metadata_summary(random_models.CASES[name])))
+    assert {key: ref[key] for key in summary} == summary
+
+
+def greedy(model, prompt: list[int], n_steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """Prefill the prompt, then decode one token at a time through the KV cache (as llama.cpp's
+    reference did): the argmax tokens and the logits each was chosen from."""
+    t = model.transformer
+    t.cache.clear()
+    logits = t.forward(prompt, 0)
+    tokens, rows = [], []
+    for step in range(n_steps):
+        rows.append(logits)
+        tokens.append(int(np.argmax(logits)))
+        if step + 1 < n_steps:
+            logits = t.forward([tokens[-1]], len(prompt) + step)
+    return tokens, rows
+
+
+@pytest.mark.parametrize("integer_decode", [True, False], ids=["integer", "float"])
+def test_greedy_continuation_matches_llama_cpp(case, integer_decode):
+    """24 greedy steps: the same tokens as llama.cpp's unless after one of its near-ties, the
+    top-5 logits of every step and the whole last logits within tolerance. Both decode kernels:
+    integer dot products (x86 SIMD, for the quantized weights) and float ones (any CPU)."""
+    ref, model = case
+    backend = model.transformer.backend
+    if integer_decode and not intdot.AVAILABLE:
+        pytest.skip("no integer kernels for this CPU")
+    tol = tolerance(ref)
+    default, backend.integer_decode = backend.integer_decode, integer_decode
+    try:
+        for i_prompt, expected in enumerate(ref["greedy"]):
+            tokens, rows = greedy(model, expected["prompt_ids"], N_STEPS)
+            where = (ref["case"], i_prompt)
+            for step, (ours, theirs) in enumerate(zip(tokens, expected["greedy_ids"])):
+                top = expected["steps"][step]
+                ref_logits = np.array(top["top5_logits"])
+                diff = np.abs(rows[step][top["top5_ids"]] - ref_logits).max()
+                assert diff < tol, (*where, step, diff)
+                if ours != theirs:
+                    gap = ref_logits[0] - ref_logits[1]
+                    assert gap < NEAR_TIE, (*where, step, ours, theirs, gap)
+                    break
+            else:
+                last = np.abs(rows[-1] - np.array(expected["last_logits"])).max()
+                assert last < tol, (*where, "last logits", last)
+    finally:
+        backend.integer_decode = default
+
+
+def teacher_forced_logits(transformer, expected) -> np.ndarray:
+    """float32[n_steps, vocab]: the logits of each step of llama.cpp's continuation, from one
+    pass over prompt + continuation (batched kernels)."""
+    ids = expected["prompt_ids"] + expected["greedy_ids"][:-1]
+    transformer.cache.clear()
+    logits = transformer.forward(ids, 0, all_logits=True)
+    return logits[len(expected["prompt_ids"]) - 1 :]
+
+
+def test_teacher_forced_logits_match_llama_cpp(case):
+    ref, model = case
+    tol = tolerance(ref)
+    for i_prompt, expected in enumerate(ref["greedy"]):
+        logits = teacher_forced_logits(model.transformer, expected)
+        for step, top in enumerate(expected["teacher_forced"]):
+            ref_logits = np.array(top["top5_logits"])
+            diff = np.abs(logits[step][top["top5_ids"]] - ref_logits).max()
+            assert diff < tol, (ref["case"], i_prompt, step, diff)
+            allowed = {top["top5_ids"][0]}
+            if ref_logits[0] - ref_logits[1] < NEAR_TIE:
+                allowed.add(top["top5_ids"][1])
+            assert int(np.argmax(logits[step])) in allowed, (ref["case"], i_prompt, step)
+
+
+def test_tokenizer_matches_llama_cpp(case):
+    ref, model = case
+    tokenizer = Tokenizer.from_metadata(model.metadata)
+    expected = ref["tokenize"]
+    assert tokenizer.encode(expected["text"], add_special=False) == expected["ids"]
+
+
+# How each scaling case would come out with its scaling dropped or half-done: llama.cpp's logits
+# are then far away, so matching them is the scaling's doing.
+WITHOUT_SCALING = {
+    "llama3-rope-freqs": {"no rope_freqs": (None, False)},
+    "llama-linear": {"no linear scaling": (RopeScaling(), True)},
+    "llama-yarn": {
+        "no scaling": (RopeScaling(), True),
+        "as linear": (RopeScaling(freq_scale=0.25), True),
+        "YaRN angles, no magnitude factor": (
+            # cancels the 1 + 0.1 ln(4) that ggml multiplies cos and sin by
+            RopeScaling(
+                0.25, ext_factor=1.0, attn_factor=1 / (1 + 0.1 * math.log(4)), n_ctx_orig=64
+            ),
+            True,
+        ),
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "variant"),
+    [(name, variant) for name, variants in WITHOUT_SCALING.items() for variant in variants],
+)
+def test_rope_scaling_is_what_matches(name, variant):
+    """Scaling replaced (None: kept) and rope_freqs kept or not: logits at least 10 tolerances
+    from llama.cpp's, so the tests above would catch a loader that ignores the scaling."""
+    scaling, keep_rope_freqs = WITHOUT_SCALING[name][variant]
+    ref = reference(name)
+    expected = ref["greedy"][-1]
+    model = load_model(FIXTURES / f"{name}.gguf", n_ctx=8, device="cpu")
+    try:
+        config = model.config
+        if scaling is not None:
+            config = dataclasses.replace(config, rope_scaling=scaling)
+        n_ctx = len(expected["prompt_ids"]) + N_STEPS
+        transformer = Transformer(model.gguf, config, CPUBackend(), n_ctx)
+        if not keep_rope_freqs:
+            assert transformer.rope_freqs is not None
+            transformer.rope_freqs = None
+        logits = teacher_forced_logits(transformer, expected)
+        worst = max(
+            np.abs(logits[step][top["top5_ids"]] - np.array(top["top5_logits"])).max()
+            for step, top in enumerate(expected["teacher_forced"])
+        )
+        assert worst > 10 * tolerance(ref), (name, variant, worst)
+    finally:
+        model.close()
+
+
+# ---- RoPE scaling metadata, as llama.cpp reads it ----
+
+
+def scaling_of(n_ctx_train: int = 2048, **keys) -> RopeScaling:
+    return rope_scaling({f"llama.{k}": v for k, v in keys.items()}, "llama", n_ctx_train)
+
+
+def test_rope_scaling_metadata_defaults_and_linear():
+    assert scaling_of() == RopeScaling()
+    # llama.cpp's default type is linear: a factor alone scales; the old key too; "none" never
+    assert scaling_of(**{"rope.scaling.factor": 4.0}) == RopeScaling(freq_scale=0.25)
+    assert scaling_of(**{"rope.scale_linear": 2.0}) == RopeScaling(freq_scale=0.5)
+    assert scaling_of(**{"rope.scaling.type": "none", "rope.scaling.factor": 4.0}) == RopeScaling()
+    both = {
+        "rope.scaling.type": "linear",
+        "rope.scaling.factor": 8.0,
+        "rope.scaling.attn_factor": 2.0,
+    }
+    assert scaling_of(**both) == RopeScaling(freq_scale=0.125, attn_factor=2.0)
+
+
+def test_rope_scaling_metadata_yarn():
+    keys = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}
+    yarn = scaling_of(**keys, **{"rope.scaling.original_context_length": 64})
+    assert (yarn.freq_scale, yarn.ext_factor, yarn.n_ctx_orig) == (0.25, 1.0, 64)
+    assert (yarn.beta_fast, yarn.beta_slow) == (32.0, 1.0)
+    # get_mscale(4) = 1 + 0.1 ln 4, cancelled against the factor ggml applies itself
+    assert yarn.attn_factor == pytest.approx(1.0, abs=1e-6)
+    assert scaling_of(4096, **keys).n_ctx_orig == 4096  # default: the training context
+
+
+def test_rope_scaling_metadata_unsupported_type():
+    with pytest.raises(LocalLLMError, match="unsupported RoPE scaling type 'longrope'"):
+        scaling_of(**{"rope.scaling.type": "longrope"})
+
+
+# ---- what a file localllm cannot run says ----
+
+
+def one_error_line(tmp_path, case: random_models.Case, drop: tuple[str, ...] = ()) -> str:
+    path = tmp_path / f"{case.name}.gguf"
+    random_models.write_case(case, path, drop=drop)
+    result = CliRunner().invoke(app, ["run", str(path), "hi", "-n", "1", "--device", "cpu"])
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def test_unsupported_architecture_is_one_error_line(tmp_path):
+    case = dataclasses.replace(random_models.CASES["qwen3"], arch="mamba")
+    error = one_error_line(tmp_path, case)
+    assert "unsupported model architecture 'mamba'" in error and "qwen3" in error
+
+
+def test_missing_tensor_is_one_error_line(tmp_path):
+    error = one_error_line(
+        tmp_path, random_models.CASES["qwen3"], drop=("blk.1.attn_k_norm.weight",)
+    )
+    assert "lacks the tensor 'blk.1.attn_k_norm.weight' that qwen3 needs" in error
+
+
+def test_unsupported_rope_scaling_is_one_error_line(tmp_path):
+    case = dataclasses.replace(random_models.CASES["llama-yarn"], rope_scaling=("longrope", 4, 64))
+    error = one_error_line(tmp_path, case)
+    assert "unsupported RoPE scaling type 'longrope' (llama.rope.scaling.type)" in error
