@@ -412,14 +412,19 @@ def list_models(
 app.command("ls", hidden=True)(list_models)
 
 
-def _ago(when: datetime, now: datetime) -> str:
-    """'3 minutes ago', as Ollama's list shows it."""
-    seconds = max(0, int((now - when).total_seconds()))
+def _span(seconds: int) -> str | None:
+    """'3 minutes' (the largest whole unit, as Ollama shows times), None under a second."""
     for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1)):
         if seconds >= size:
             n = seconds // size
-            return f"{n} {unit}{'s' * (n != 1)} ago"
-    return "just now"
+            return f"{n} {unit}{'s' * (n != 1)}"
+    return None
+
+
+def _ago(when: datetime, now: datetime) -> str:
+    """'3 minutes ago', as Ollama's list shows it."""
+    span = _span(max(0, int((now - when).total_seconds())))
+    return f"{span} ago" if span else "just now"
 
 
 @app.command()
@@ -652,11 +657,8 @@ def _until(expires_at: str, now: datetime) -> str:
         return "Stopping..."
     if seconds > 20 * 365 * 86400:  # what Ollama shows for a model kept loaded
         return "Forever"
-    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1)):
-        if seconds >= size:
-            n = seconds // size
-            return f"{n} {unit}{'s' * (n != 1)} from now"
-    return "now"
+    span = _span(seconds)
+    return f"{span} from now" if span else "now"
 
 
 @app.command()
