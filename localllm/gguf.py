@@ -189,6 +189,40 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
             mapping.close()  # every metadata value is a copy
 
 
+@dataclass(frozen=True)
+class GGUFHeader:
+    """What the first bytes of a GGUF file say: its metadata and its tensor table."""
+
+    metadata: dict[str, Any]
+    tensor_types: dict[str, int]  # tensor name -> GGML type id
+
+    @property
+    def architecture(self) -> str | None:
+        arch = self.metadata.get("general.architecture")
+        return arch if isinstance(arch, str) else None
+
+
+def read_header_bytes(head: bytes, file_size: int, name: str) -> GGUFHeader | None:
+    """Parse the header, metadata and tensor table from the first bytes of a GGUF file.
+
+    `head` is a prefix of a `file_size`-byte file (a Range request's answer, the start of a
+    wheel member). Returns None when the prefix is too short to hold the tensor table (ask for
+    more bytes); raises LocalLLMError when the whole file is there and its header is bad.
+    """
+    try:
+        parser = _Parser(Path(name), head, len(head))
+        _version, n_tensors, n_kv = parser.read_header()
+        metadata = parser.read_metadata(n_kv)
+        infos = parser.read_tensor_infos(n_tensors)
+    except LocalLLMError:
+        # Within a prefix a cut-off string or array reads as corruption; only the whole file
+        # can be judged corrupt.
+        if len(head) < file_size:
+            return None
+        raise
+    return GGUFHeader(metadata, {name: ggml_type for name, ggml_type, _shape, _off in infos})
+
+
 def _map(path: Path) -> tuple[mmap.mmap, int]:
     """(read-only map of the whole file, file size), for a file big enough for a header."""
     try:

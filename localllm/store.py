@@ -131,6 +131,10 @@ class CatalogEntry:
     sha256: str | None = None
     wheels: tuple[WheelPart, ...] = ()
     default: bool = False
+    # What the file is, so that the catalog test can check it against what localllm runs
+    # (support.py); `pull` reads the real header before the download all the same.
+    arch: str | None = None  # general.architecture
+    quant: str | None = None  # llama.cpp file type (Q4_K_M, Q8_0, ...)
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,7 @@ def _catalog_entry(name: str, raw: dict, path: Path) -> CatalogEntry:
         raise LocalLLMError(f"{where}: names are lower-case NAME:TAG")
     validate_name(name)
     known = {"description", "hf", "file", "revision", "size", "sha256", "wheels", "default"}
+    known |= {"arch", "quant"}
     if unknown := set(raw) - known:
         raise LocalLLMError(f"{where}: unknown keys {sorted(unknown)}")
     hf_repo, hf_file = raw.get("hf"), raw.get("file")
@@ -206,6 +211,8 @@ def _catalog_entry(name: str, raw: dict, path: Path) -> CatalogEntry:
         sha256=sha256,
         wheels=wheels,
         default=bool(raw.get("default", False)),
+        arch=raw.get("arch"),
+        quant=raw.get("quant"),
     )
 
 

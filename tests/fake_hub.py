@@ -1,7 +1,8 @@
 """A fake Hugging Face Hub on 127.0.0.1 and a tiny GGUF to serve: for test_pull.py and test_cli.py.
 
-It answers like huggingface.co's resolve endpoint (HEAD and GET, Range, ETag, the redirect to a
-CDN with X-Linked-Size / X-Linked-Etag) and `/api/models/{repo}`; tests point HF_ENDPOINT at it.
+It answers like huggingface.co's resolve endpoint (HEAD and GET, Range `a-` and `a-b`, ETag, the
+redirect to a CDN with X-Linked-Size / X-Linked-Etag) and `/api/models/{repo}`; tests point
+HF_ENDPOINT at it.
 """
 
 from __future__ import annotations
@@ -108,11 +109,13 @@ class FakeHub:
             data = data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]
         start, status = 0, 200
         headers = {"ETag": f'"{etag}"', "Accept-Ranges": "bytes", "X-Repo-Commit": "0" * 40}
+        end = len(data)  # exclusive
         if (rng := h.headers.get("Range")) and not head:
-            start = int(re.fullmatch(r"bytes=(\d+)-", rng)[1])
+            first, last = re.fullmatch(r"bytes=(\d+)-(\d*)", rng).groups()
+            start, end = int(first), min(int(last) + 1, end) if last else end
             status = 206
-            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
-        body = data[start:]
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
+        body = data[start:end]
         drop = self.drop_after.pop(key, None) if not head else None
         h.send_response(status)
         for name, value in headers.items():

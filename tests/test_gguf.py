@@ -23,7 +23,7 @@ from gguf_writer import (
 from real_models import model_path
 
 from localllm.errors import LocalLLMError
-from localllm.gguf import GGUFFile, TensorInfo, read_gguf
+from localllm.gguf import GGUFFile, TensorInfo, read_gguf, read_header_bytes
 
 T = GGUFValueType
 Q = GGMLQuantizationType
@@ -617,3 +617,16 @@ def test_a_short_file_that_is_not_gguf_says_so(tmp_path):
     path = tmp_path / "notes.gguf"
     path.write_bytes(b"hello world")
     expect_error(path, "not a GGUF file", "b'hell'")
+
+
+def test_a_header_is_read_from_the_first_bytes_of_a_file():
+    data = gguf_bytes(
+        {"general.architecture": "llama", "general.description": "d" * 5000},
+        {"output.weight": (1, (2, 32), np.zeros((2, 32), np.float16))},
+    )
+    header = read_header_bytes(data[:5200], len(data), "remote.gguf")
+    assert header.architecture == "llama" and header.tensor_types == {"output.weight": 1}
+    # Too short a prefix asks for more; a whole file that is bad is an error.
+    assert read_header_bytes(data[:4000], len(data), "remote.gguf") is None
+    with pytest.raises(LocalLLMError, match="remote.gguf: corrupt GGUF"):
+        read_header_bytes(data[:4000], 4000, "remote.gguf")

