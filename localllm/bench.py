@@ -1,8 +1,15 @@
-"""`localllm bench`: prefill and decode speed on a model, in the spirit of llama-bench.
+"""`localllm bench`: prefill and decode speed on a model, as llama-bench measures them.
 
-Prompts are random token ids (as llama-bench uses), so the numbers do not depend on a
-tokenizer or a text; every repetition starts from an empty KV cache. One warm-up run first
-loads the Numba kernels from their cache (or compiles them) and touches the weights.
+Prompts are random token ids (as llama-bench uses), so the numbers do not depend on a tokenizer
+or a text. With `depth` tokens already in the KV cache (llama-bench's -d, default 0), each
+repetition times a prefill of `n_prompt` tokens and then a decode of `n_gen` tokens after that
+prompt; the cache is trimmed back to the depth between repetitions, so the depth is prefilled
+only once. One warm-up run first loads the Numba kernels from their cache (or compiles them) and
+touches the weights.
+
+Decode is memory-bound: besides tok/s the result gives the GB/s of weights it streams (the bytes
+one token reads, times tok/s) and the machine's read bandwidth, measured here with the same
+threads, so that the fraction of the memory's speed decode reaches is printed beside it.
 """
 
 from __future__ import annotations
@@ -14,9 +21,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numba
 import numpy as np
+from numba import njit, prange
 
 from localllm.models import load_model
+
+BANDWIDTH_BYTES = 1 << 30  # read-bandwidth buffer: far beyond any cache
 
 
 @dataclass
@@ -29,8 +40,12 @@ class BenchResult:
     peak_rss_mb: float
     prompt_tokens: int
     gen_tokens: int
+    depth: int  # tokens in the KV cache before the prompt
     repetitions: int
     device: str
+    weight_gb_per_token: float  # bytes of weights one decode step reads, in GB (1e9)
+    decode_weight_gb_s: float  # weight_gb_per_token x decode tok/s
+    read_bandwidth_gb_s: float  # this machine's read bandwidth with these threads (0: not run)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -53,52 +68,114 @@ def peak_rss_mb() -> float:
     return kib / 1024 if sys.platform != "darwin" else kib / 2**20
 
 
+@njit(parallel=True, cache=True)
+def _sum_rows(words):
+    """Sum of uint64[n_rows, n] words, a thread per row at a time: a read-bandwidth probe
+    (a plain loop over one row vectorizes; bounds computed per chunk did not, and ran at half
+    the speed)."""
+    partial = np.zeros(words.shape[0], np.uint64)
+    for r in prange(words.shape[0]):
+        row = words[r]
+        total = np.uint64(0)
+        for i in range(row.size):
+            total += row[i]
+        partial[r] = total
+    return partial.sum()
+
+
+def read_bandwidth_gb_s(n_threads: int, n_bytes: int | None = None, rounds: int = 5) -> float:
+    """The best GB/s at which n_threads Numba threads read an n_bytes buffer (faulted in first)."""
+    n_rows = 64
+    words = np.ones((n_rows, (n_bytes or BANDWIDTH_BYTES) // 8 // n_rows), np.uint64)
+    previous = numba.get_num_threads()
+    numba.set_num_threads(max(1, min(n_threads, numba.config.NUMBA_NUM_THREADS)))
+    try:
+        _sum_rows(words[:, :16])  # compile or load from cache
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            _sum_rows(words)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        numba.set_num_threads(previous)
+    return words.nbytes / best / 1e9
+
+
+def weight_bytes_per_token(tensors) -> int:
+    """Bytes of weights one decode step reads: every tensor but the embedding table, of which a
+    token reads one row, unless the output head is tied to it (then it is read whole)."""
+    total = sum(t.n_bytes for t in tensors.values())
+    if "output.weight" in tensors and "token_embd.weight" in tensors:
+        total -= tensors["token_embd.weight"].n_bytes
+    return total
+
+
 def bench(
     path: str | Path,
     label: str,
-    n_prompt: int = 128,
-    n_gen: int = 64,
+    n_prompt: int = 512,
+    n_gen: int = 128,
     repetitions: int = 3,
     n_threads: int | None = None,
     device: str = "auto",
+    depth: int = 0,
+    bandwidth: bool = True,
 ) -> BenchResult:
-    """Load the model, then time prefill of n_prompt tokens and decode of n_gen tokens."""
+    """Load the model; with `depth` tokens in the cache, time a prefill of n_prompt tokens and a
+    decode of n_gen tokens after it, `repetitions` times (medians count)."""
     start = time.perf_counter()
-    model = load_model(path, n_ctx=n_prompt + n_gen + 1, n_threads=n_threads, device=device)
+    n_ctx = depth + n_prompt + n_gen + 1
+    model = load_model(path, n_ctx=n_ctx, n_threads=n_threads, device=device)
     load_s = time.perf_counter() - start
     transformer = model.transformer
+    cache = transformer.cache
     rng = np.random.default_rng(0)
-    prompt = rng.integers(0, model.config.vocab_size, size=max(n_prompt, 1)).tolist()
+    vocab = model.config.vocab_size
+    context = rng.integers(0, vocab, size=depth).tolist()
+    prompt = rng.integers(0, vocab, size=max(n_prompt, 1)).tolist()
 
-    def prefill() -> float:
-        transformer.cache.clear()
-        t0 = time.perf_counter()
-        transformer.forward(prompt, 0)
-        return len(prompt) / (time.perf_counter() - t0)
+    def forward(tokens: list[int], pos: int) -> np.ndarray:
+        with transformer.backend.step(len(tokens)):
+            return transformer.forward(tokens, pos)  # records the tokens in the cache
 
-    def decode() -> float:
-        transformer.cache.clear()
-        token = prompt[0]
+    def run(n_p: int, n_g: int) -> tuple[float, float]:
+        """(prefill tok/s, decode tok/s) from the depth: the prompt, then decode after it."""
+        cache.trim(depth)
         t0 = time.perf_counter()
-        for pos in range(n_gen):
-            token = int(np.argmax(transformer.forward([token], pos)))
-        return n_gen / (time.perf_counter() - t0)
+        logits = forward(prompt[: max(n_p, 1)], depth)
+        prefill = n_p / (time.perf_counter() - t0)
+        pos = depth + max(n_p, 1)
+        t0 = time.perf_counter()
+        for i in range(n_g):
+            logits = forward([int(np.argmax(logits))], pos + i)
+        decode = n_g / (time.perf_counter() - t0) if n_g else 0.0
+        return prefill, decode
 
     try:
-        prefill(), decode()  # warm-up
-        prefills = [prefill() for _ in range(repetitions)] if n_prompt > 0 else [0.0]
-        decodes = [decode() for _ in range(repetitions)] if n_gen > 0 else [0.0]
+        cache.clear()
+        for i in range(0, depth, 512):  # the depth once, in prefill-sized chunks
+            forward(context[i : i + 512], i)
+        run(min(n_prompt, 32), min(n_gen, 4))  # warm-up
+        runs = [run(n_prompt, n_gen) for _ in range(repetitions)]
+        threads = getattr(transformer.backend, "n_threads", 0)
+        per_token = weight_bytes_per_token(model.gguf.tensors) / 1e9
     finally:
         model.close()
+    decode_tok_s = statistics.median(d for _, d in runs)
+    measure = bandwidth and transformer.backend.name == "cpu"
     return BenchResult(
         model=label,
-        threads=getattr(transformer.backend, "n_threads", 0),
+        threads=threads,
         load_s=round(load_s, 3),
-        prefill_tok_s=round(statistics.median(prefills), 2),
-        decode_tok_s=round(statistics.median(decodes), 2),
+        prefill_tok_s=round(statistics.median(p for p, _ in runs), 2) if n_prompt else 0.0,
+        decode_tok_s=round(decode_tok_s, 2),
         peak_rss_mb=round(peak_rss_mb(), 1),
         prompt_tokens=n_prompt,
         gen_tokens=n_gen,
+        depth=depth,
         repetitions=repetitions,
         device=transformer.backend.name,
+        weight_gb_per_token=round(per_token, 4),
+        decode_weight_gb_s=round(per_token * decode_tok_s, 2),
+        read_bandwidth_gb_s=round(read_bandwidth_gb_s(threads or 1), 2) if measure else 0.0,
     )

@@ -553,33 +553,52 @@ def serve(
 @app.command()
 def bench(
     model: str = typer.Argument(..., metavar="MODEL", help="A model name or a .gguf path."),
-    prompt_tokens: int = typer.Option(128, "-p", "--prompt-tokens", min=0, help="Prefill length."),
-    gen_tokens: int = typer.Option(64, "-n", "--gen-tokens", min=0, help="Tokens to decode."),
+    prompt_tokens: int = typer.Option(512, "-p", "--prompt-tokens", min=0, help="Prefill length."),
+    gen_tokens: int = typer.Option(128, "-n", "--gen-tokens", min=0, help="Tokens to decode."),
+    depth: int = typer.Option(
+        0, "-d", "--depth", min=0, help="Tokens already in the KV cache before the prompt."
+    ),
     repetitions: int = typer.Option(
         3, "-r", "--repetitions", min=1, help="Runs; the median counts."
     ),
     threads: int | None = THREADS,
     device: Device = DEVICE,
+    bandwidth: bool = typer.Option(
+        True, "--bandwidth/--no-bandwidth", help="Also measure the machine's read bandwidth."
+    ),
     as_json: bool = typer.Option(
         False, "--json", help="Also print one JSON object as the last line of stdout."
     ),
     debug: bool = DEBUG,
 ) -> None:
-    """Measure load time, prefill and decode tok/s, and peak RSS (like llama-bench)."""
+    """Measure prefill (pp512) and decode after it (tg128), GB/s and peak RSS, like llama-bench."""
     from localllm.bench import bench as run_bench
 
     found = find_or_pull(model)
     result = run_bench(
-        found.path, found.name, prompt_tokens, gen_tokens, repetitions, threads, device.value
+        found.path,
+        found.name,
+        prompt_tokens,
+        gen_tokens,
+        repetitions,
+        threads,
+        device.value,
+        depth=depth,
+        bandwidth=bandwidth,
     )
+    at = f" @ d{depth}" if depth else ""
     print(f"model        {result.model} ({result.device}, {result.threads} threads)")
     print(f"load         {result.load_s:.2f} s")
-    print(f"prefill      {result.prefill_tok_s:.1f} tok/s  (pp{prompt_tokens})")
-    print(f"decode       {result.decode_tok_s:.1f} tok/s  (tg{gen_tokens})")
+    print(f"prefill      {result.prefill_tok_s:.1f} tok/s  (pp{prompt_tokens}{at})")
+    print(f"decode       {result.decode_tok_s:.1f} tok/s  (tg{gen_tokens} after the prompt{at})")
+    streamed = f"{result.decode_weight_gb_s:.1f} GB/s of weights"
+    if result.read_bandwidth_gb_s:
+        share = result.decode_weight_gb_s / result.read_bandwidth_gb_s
+        streamed += f", {share:.0%} of the {result.read_bandwidth_gb_s:.1f} GB/s read bandwidth"
+    print(f"streamed     {streamed} ({result.weight_gb_per_token:.3f} GB per token)")
     print(f"peak RSS     {result.peak_rss_mb:.0f} MiB")
     if as_json:
-        keys = ("model", "threads", "load_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb")
-        print(json.dumps({key: getattr(result, key) for key in keys}))
+        print(json.dumps(result.as_dict()))
 
 
 # ---------------------------------------------------------------------------------------------
