@@ -48,7 +48,12 @@ class Backend(Protocol):
         ...
 
     def zeros(self, shape: tuple[int, ...]) -> Array:
-        """float32 zeros: scratch buffers and the KV cache."""
+        """float32 zeros: scratch buffers."""
+        ...
+
+    def kv_zeros(self, shape: tuple[int, ...]) -> Array:
+        """Zeros for one of the KV cache's K/V arrays, in the element type `write_kv` stores and
+        `attention` reads (f16 bits on the CPU)."""
         ...
 
     def to_host(self, x: Array) -> np.ndarray:
@@ -152,6 +157,7 @@ class CPUBackend:
         self.thread_tuner = ThreadTuner(self.n_threads, numba.set_num_threads, tune=tune)
         self._rounded: dict[tuple, np.ndarray] = {}  # rounded activations by (kind, shape)
         self._quantized: dict[tuple, tuple] = {}  # int8 activations by (super block, n_cols)
+        self._attention: tuple | None = None  # attention scratch (scores, row), see attention
         # one token on an x86 CPU with AVX2 or VNNI: ggml's integer dot products (quants/intdot.py)
         self.integer_decode = llama_cpp_rounding and intdot.AVAILABLE
 
@@ -181,16 +187,23 @@ class CPUBackend:
         """float32 zeros; the pages are only touched (and counted in RSS) when written."""
         return np.zeros(shape, dtype=np.float32)
 
+    def kv_zeros(self, shape: tuple[int, ...]) -> np.ndarray:
+        """uint16 zeros: the KV cache holds IEEE half bits, as llama.cpp's f16 cache (half the
+        memory of float32, and half the bytes attention reads per token). Without
+        llama_cpp_rounding, float32."""
+        return np.zeros(shape, dtype=np.uint16 if self.llama_cpp_rounding else np.float32)
+
     def to_host(self, x: np.ndarray) -> np.ndarray:
         """A host copy of x, e.g. the logits."""
         return np.array(x, dtype=np.float32)
 
     def write_kv(self, k_cache, v_cache, start_pos: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Store k, v: float32[n_tokens, n_kv_heads, head_dim] at start_pos in one layer's cache
-        (rounded to half with llama_cpp_rounding: llama.cpp's KV cache is f16)."""
+        """Store k, v: float32[n_tokens, n_kv_heads, head_dim] at start_pos in one layer's cache,
+        as half bits (rounded to nearest even, as ggml converts to its f16 cache) in a uint16
+        cache, as they are in a float32 one."""
         n = k.shape[0]
-        if self.llama_cpp_rounding:
-            k, v = k.astype(np.float16), v.astype(np.float16)
+        if k_cache.dtype == np.uint16:
+            k, v = k.astype(np.float16).view(np.uint16), v.astype(np.float16).view(np.uint16)
         k_cache[start_pos : start_pos + n] = k
         v_cache[start_pos : start_pos + n] = v
 
@@ -284,8 +297,28 @@ class CPUBackend:
         f16 = self.llama_cpp_rounding
         if f16:
             q[...] = q.astype(np.float16)
-        ops.attention(q, k_cache, v_cache, start_pos, window, np.float32(scale), f16, out)
+        n_tokens, n_heads, head_dim = q.shape
+        n_ctx, n_kv_heads, _ = k_cache.shape
+        per_job = ops.heads_per_job(n_tokens, n_heads, n_kv_heads, numba.get_num_threads())
+        scores, row = self._attention_scratch(per_job, n_ctx, head_dim)
+        ops.attention(
+            q, k_cache, v_cache, start_pos, window, np.float32(scale), f16, per_job, scores, row,
+            out,
+        )  # fmt: skip
         return out
+
+    def _attention_scratch(self, heads: int, n_ctx: int, head_dim: int) -> tuple:
+        """Per-thread attention scratch (see ops.attention), made once per model and size."""
+        n_threads = numba.config.NUMBA_NUM_THREADS
+        have = self._attention
+        if have is None or have[0].shape[1:] < (heads, n_ctx) or have[1].shape[1] < head_dim:
+            old = have[0].shape[1:] if have is not None else (0, 0)
+            shape = (n_threads, max(heads, old[0]), max(n_ctx, old[1]))
+            self._attention = have = (
+                np.empty(shape, np.float32),  # scores: [thread, head, key]
+                np.empty((n_threads, head_dim), np.float32),  # one K or V row in float32
+            )
+        return have
 
     def add_bias(self, x: np.ndarray, bias: np.ndarray) -> None:
         x += bias

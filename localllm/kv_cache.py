@@ -13,9 +13,10 @@ class KVCache:
     """
 
     def __init__(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, zeros=np.zeros):
-        """`zeros(shape)` allocates float32 zeros where the backend computes (host or device)."""
+        """`zeros(shape)` allocates zeros where the backend computes, in the element type its
+        attention reads: IEEE half bits (uint16) on the CPU, float32 on CUDA."""
         self.n_ctx = n_ctx
-        self.k = zeros((n_layers, n_ctx, n_kv_heads, head_dim))  # float32[layer, pos, kv_head, d]
+        self.k = zeros((n_layers, n_ctx, n_kv_heads, head_dim))  # [layer, pos, kv_head, d]
         self.v = zeros((n_layers, n_ctx, n_kv_heads, head_dim))
         self.tokens: list[int] = []
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import get_thread_id, njit, prange, types
+from numba.extending import intrinsic, overload
 
 from localllm.quants.activations import f16_bits, round_f16
-from localllm.quants.float import _bits_to_f32
+from localllm.quants.float import _bits_to_f32, f16_to_f32
 
 
 @njit(cache=True)
@@ -231,56 +231,96 @@ def expf(x):
     return j * _pow2(half) * _pow2(k - half)
 
 
+def kv_value(x):
+    """A KV cache element as float32: IEEE half bits (uint16) converted, float32 as it is."""
+
+
+@overload(kv_value, inline="always")
+def _kv_value(x):
+    if isinstance(x, types.Integer) and x.bitwidth == 16:
+        return lambda x: f16_to_f32(x)
+    if x == types.float32:
+        return lambda x: x
+    return None
+
+
 # reassoc: lets LLVM vectorize the q.k dot products (a float sum is otherwise one serial chain,
 # measured ~5x slower); their rounding order is not part of any contract.
 @njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
-def attention(q, k_cache, v_cache, start_pos, window, scale, f16_probs, out):
-    """Causal multi-head attention with grouped K/V heads and an optional sliding window.
+def attention(
+    q, k_cache, v_cache, start_pos, window, scale, f16_probs, heads_per_job, scores, row, out
+):
+    """Causal multi-head attention over an f16 KV cache, with grouped K/V heads and an optional
+    sliding window.
 
     q: float32[n_tokens, n_heads, head_dim] for positions start_pos .. start_pos + n_tokens - 1
-    k_cache, v_cache: float32[n_ctx, n_kv_heads, head_dim], filled up to start_pos + n_tokens
+    k_cache, v_cache: uint16[n_ctx, n_kv_heads, head_dim], IEEE half bits (llama.cpp's f16 KV
+    cache: half the memory and bandwidth of float32), or float32 (CPUBackend's exact mode),
+    filled up to start_pos + n_tokens
     window: 0 for global attention, else a key at position j is seen from position i only when
     i - j < window (llama.cpp's standard SWA mask).
     f16_probs: round the softmax probabilities to half before they weight V, as llama.cpp's
     K*Q -> softmax -> V*KQ graph does with its f16 KV cache (the V product takes f16 operands).
+    heads_per_job: query heads of one K/V head that one job handles (a divisor of n_heads //
+    n_kv_heads): each K and V row is converted from half once for all of them, not once per head.
+    scores: float32[n_threads, heads_per_job, n_ctx] and row: float32[n_threads, head_dim],
+    scratch per thread, allocated once by the caller (nothing is allocated here).
     out: float32[n_tokens, n_heads, head_dim]
     """
     n_tokens, n_heads, head_dim = q.shape
     n_kv_heads = k_cache.shape[1]
     group = n_heads // n_kv_heads
-    n_keys = start_pos + n_tokens
-    for job in prange(n_tokens * n_heads):
-        t = job // n_heads
-        h = job % n_heads
-        kv = h // group
+    n_split = group // heads_per_job
+    for job in prange(n_tokens * n_kv_heads * n_split):
+        t = job // (n_kv_heads * n_split)
+        kv = job // n_split % n_kv_heads
+        h0 = kv * group + job % n_split * heads_per_job
         pos = start_pos + t
         first = 0
         if window > 0 and pos - window + 1 > 0:
             first = pos - window + 1
-        scores = np.empty(n_keys, dtype=np.float32)
-        best = np.float32(-np.inf)
+        thread = get_thread_id()
+        s, x = scores[thread], row[thread]
         for j in range(first, pos + 1):
-            s = np.float32(0.0)
             for d in range(head_dim):
-                s += q[t, h, d] * k_cache[j, kv, d]
-            s *= scale
-            scores[j] = s
-            if s > best:
-                best = s
-        total = 0.0  # float64, as ggml's soft_max sums
-        for j in range(first, pos + 1):
-            e = expf(scores[j] - best)
-            scores[j] = e
-            total += e
-        inv = np.float32(1.0 / total)
-        for d in range(head_dim):
-            out[t, h, d] = 0.0
-        for j in range(first, pos + 1):
-            p = scores[j] * inv
-            if f16_probs:
-                p = round_f16(p)
+                x[d] = kv_value(k_cache[j, kv, d])
+            for g in range(heads_per_job):
+                dot = np.float32(0.0)
+                for d in range(head_dim):
+                    dot += q[t, h0 + g, d] * x[d]
+                s[g, j] = dot * scale
+        for g in range(heads_per_job):
+            best = np.float32(-np.inf)
+            for j in range(first, pos + 1):
+                best = max(best, s[g, j])
+            total = 0.0  # float64, as ggml's soft_max sums
+            for j in range(first, pos + 1):
+                e = expf(s[g, j] - best)
+                s[g, j] = e
+                total += e
+            inv = np.float32(1.0 / total)
+            for j in range(first, pos + 1):
+                p = s[g, j] * inv
+                s[g, j] = round_f16(p) if f16_probs else p
             for d in range(head_dim):
-                out[t, h, d] += p * v_cache[j, kv, d]
+                out[t, h0 + g, d] = 0.0
+        for j in range(first, pos + 1):
+            for d in range(head_dim):
+                x[d] = kv_value(v_cache[j, kv, d])
+            for g in range(heads_per_job):
+                p = s[g, j]
+                for d in range(head_dim):
+                    out[t, h0 + g, d] += p * x[d]
+
+
+def heads_per_job(n_tokens: int, n_heads: int, n_kv_heads: int, n_threads: int) -> int:
+    """The most query heads per attention job (a divisor of the group) that still gives every
+    thread a job: sharing a K/V row among more heads reads and converts it fewer times."""
+    group = n_heads // n_kv_heads
+    for split in range(1, group + 1):
+        if group % split == 0 and n_tokens * n_kv_heads * split >= n_threads:
+            return group // split
+    return 1
 
 
 @njit(cache=True, error_model="numpy")  # numpy: no zero-division check, so the loop vectorizes

@@ -229,10 +229,14 @@ def test_cuda_attention_gqa_causal_windows(window, start_pos, n_tokens):
     rng = np.random.default_rng(4)
     n_ctx, n_heads, n_kv_heads, head_dim = 12, 4, 2, 8
     q = rng.standard_normal((n_tokens, n_heads, head_dim)).astype(np.float32)
-    k_cache = rng.standard_normal((n_ctx, n_kv_heads, head_dim)).astype(np.float32)
-    v_cache = rng.standard_normal((n_ctx, n_kv_heads, head_dim)).astype(np.float32)
+    # The CPU's cache holds half bits, the device's float32: the same halves in both.
+    k_half = rng.standard_normal((n_ctx, n_kv_heads, head_dim)).astype(np.float16)
+    v_half = rng.standard_normal((n_ctx, n_kv_heads, head_dim)).astype(np.float16)
+    k_cache, v_cache = k_half.astype(np.float32), v_half.astype(np.float32)
     expected = np.empty_like(q)
-    ops.attention(q, k_cache, v_cache, start_pos, window, np.float32(0.35), False, expected)
+    cpu = CPUBackend(n_threads=1, llama_cpp_rounding=False)
+    halves = (k_half.view(np.uint16), v_half.view(np.uint16))
+    cpu.attention(q.copy(), *halves, start_pos, window, 0.35, expected)
     b = backend()
     out = b.zeros(q.shape)
     b.attention(to_device(q), to_device(k_cache), to_device(v_cache), start_pos, window, 0.35, out)

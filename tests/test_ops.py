@@ -2,6 +2,7 @@
 
 import math
 
+import numba
 import numpy as np
 import pytest
 from numba import njit
@@ -113,18 +114,35 @@ def _attention_ref(q, k, v, start_pos, window, scale):
     return out
 
 
+@pytest.mark.parametrize("half_bits", [True, False], ids=["f16-cache", "f32-cache"])
+@pytest.mark.parametrize("heads_per_job", [1, 3])
 @pytest.mark.parametrize("window", [0, 3])
-def test_attention_gqa_causal_window(window):
+def test_attention_gqa_causal_window(window, heads_per_job, half_bits):
     n_ctx, n_heads, n_kv, head_dim, start, n = 16, 6, 2, 8, 5, 4
     q = rng.standard_normal((n, n_heads, head_dim)).astype(np.float32)
-    k = rng.standard_normal((n_ctx, n_kv, head_dim)).astype(np.float32)
-    v = rng.standard_normal((n_ctx, n_kv, head_dim)).astype(np.float32)
+    # The cache holds half bits; the reference takes the same halves.
+    k = rng.standard_normal((n_ctx, n_kv, head_dim)).astype(np.float16)
+    v = rng.standard_normal((n_ctx, n_kv, head_dim)).astype(np.float16)
     out = np.empty_like(q)
     scale = 1 / math.sqrt(head_dim)
-    ops.attention(q, k, v, start, window, np.float32(scale), False, out)
-    np.testing.assert_allclose(
-        out, _attention_ref(q, k, v, start, window, scale), rtol=1e-4, atol=1e-5
-    )
+    threads = numba.config.NUMBA_NUM_THREADS
+    scores = np.full((threads, heads_per_job, n_ctx), np.nan, np.float32)
+    row = np.full((threads, head_dim), np.nan, np.float32)
+    if half_bits:
+        k_cache, v_cache = k.view(np.uint16), v.view(np.uint16)
+    else:
+        k_cache, v_cache = k.astype(np.float32), v.astype(np.float32)
+    args = (start, window, np.float32(scale), False, heads_per_job, scores, row, out)
+    ops.attention(q, k_cache, v_cache, *args)
+    expected = _attention_ref(q, k.astype(np.float32), v.astype(np.float32), start, window, scale)
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_heads_per_job_keeps_every_thread_busy():
+    assert ops.heads_per_job(1, 12, 2, 2) == 6  # decode: one job per K/V head
+    assert ops.heads_per_job(1, 12, 2, 4) == 3
+    assert ops.heads_per_job(1, 12, 2, 16) == 1
+    assert ops.heads_per_job(512, 12, 2, 16) == 6  # prefill: plenty of tokens
 
 
 def test_activations():

@@ -112,6 +112,10 @@ class CUDABackend:
             kernels.fill_zero[_flat_launch(x.size)](flat)
         return x
 
+    def kv_zeros(self, shape: tuple[int, ...]):
+        """float32 zeros on the device for the KV cache (kernels.attention reads float32)."""
+        return self.zeros(shape)
+
     def to_host(self, x) -> np.ndarray:
         """A host copy of the device array x, e.g. the logits; waits for the queued work."""
         return np.asarray(x.copy_to_host(), dtype=np.float32)

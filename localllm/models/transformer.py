@@ -156,7 +156,7 @@ class Transformer:
         """A KV cache (by default of the same context size), e.g. for another sequence."""
         c = self.config
         n_ctx = self.cache.n_ctx if n_ctx is None else n_ctx
-        return KVCache(c.n_layers, n_ctx, c.n_kv_heads, c.head_dim, self.backend.zeros)
+        return KVCache(c.n_layers, n_ctx, c.n_kv_heads, c.head_dim, self.backend.kv_zeros)
 
     def forward(
         self,
