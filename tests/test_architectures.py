@@ -277,3 +277,101 @@ def test_unsupported_rope_scaling_is_one_error_line(tmp_path):
     case = dataclasses.replace(random_models.CASES["llama-yarn"], rope_scaling=("longrope", 4, 64))
     error = one_error_line(tmp_path, case)
     assert "unsupported RoPE scaling type 'longrope' (llama.rope.scaling.type)" in error
+
+
+# ---- Phi-3: fused matrices, LongRoPE, no sliding window ----
+
+
+def worst_teacher_forced_diff(transformer, expected) -> float:
+    logits = teacher_forced_logits(transformer, expected)
+    return max(
+        np.abs(logits[step][top["top5_ids"]] - np.array(top["top5_logits"])).max()
+        for step, top in enumerate(expected["teacher_forced"])
+    )
+
+
+def factors(model, name: str) -> np.ndarray:
+    return model.gguf.tensors[name].data.view(np.float32).reshape(-1)
+
+
+PHI3_VARIANTS = {
+    "short factors": lambda config, model: (config, factors(model, "rope_factors_short.weight")),
+    "no attn factor": lambda config, model: (
+        dataclasses.replace(config, rope_scaling=RopeScaling()),
+        None,
+    ),
+    "sliding window applied": lambda config, model: (
+        dataclasses.replace(config, layer_windows=(16,) * config.n_layers),
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", PHI3_VARIANTS)
+def test_phi3_longrope_and_global_attention_are_what_matches(variant):
+    """The long factors (llama.cpp's context is larger than the original one), the attn factor,
+    and attention over the whole context although the file sets a window: each changed, the
+    logits land at least 10 tolerances from llama.cpp's."""
+    ref = reference("phi3")
+    expected = ref["greedy"][-1]
+    model = load_model(FIXTURES / "phi3.gguf", n_ctx=8, device="cpu")
+    try:
+        config, rope_freqs = PHI3_VARIANTS[variant](model.config, model)
+        n_ctx = len(expected["prompt_ids"]) + N_STEPS
+        transformer = Transformer(model.gguf, config, CPUBackend(), n_ctx)
+        if rope_freqs is not None:
+            transformer.rope_freqs = np.ascontiguousarray(rope_freqs)
+        assert worst_teacher_forced_diff(transformer, expected) > 10 * tolerance(ref), variant
+    finally:
+        model.close()
+
+
+def test_phi3_factors_are_chosen_by_the_context_as_llama_cpp_does():
+    """rope_factors_long above the original context, short at or below it, the context rounded
+    up to a multiple of 256 first (llama.cpp's n_ctx_seq)."""
+    model = load_model(FIXTURES / "phi3.gguf", n_ctx=8, device="cpu")
+    try:
+        long = factors(model, "rope_factors_long.weight")
+        short = factors(model, "rope_factors_short.weight")
+        assert model.config.n_ctx_orig == 160
+        np.testing.assert_array_equal(model.transformer.rope_freqs, long)  # 8 -> 256 > 160
+        config = dataclasses.replace(model.config, n_ctx_orig=256)
+        for n_ctx, expected in ((200, short), (256, short), (257, long)):
+            transformer = Transformer(model.gguf, config, CPUBackend(), n_ctx)
+            np.testing.assert_array_equal(transformer.rope_freqs, expected)
+    finally:
+        model.close()
+
+
+def test_phi3_fused_matrices_are_views_of_the_map():
+    """Q/K/V and gate/up are row slices of attn_qkv and ffn_up, sharing their mapped bytes."""
+    model = load_model(FIXTURES / "phi3.gguf", n_ctx=8, device="cpu")
+    try:
+        c, tensors = model.config, model.gguf.tensors
+        layer = model.transformer.layers[1]
+        qkv, up = tensors["blk.1.attn_qkv.weight"].data, tensors["blk.1.ffn_up.weight"].data
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        for w, rows, source in (
+            (layer.wq, slice(0, q_dim), qkv),
+            (layer.wk, slice(q_dim, q_dim + kv_dim), qkv),
+            (layer.wv, slice(q_dim + kv_dim, q_dim + 2 * kv_dim), qkv),
+            (layer.w_gate, slice(0, c.ffn_dim), up),
+            (layer.w_up, slice(c.ffn_dim, 2 * c.ffn_dim), up),
+        ):
+            assert np.shares_memory(w.raw, source) and not w.raw.flags.owndata
+            np.testing.assert_array_equal(w.raw, source[rows])
+    finally:
+        model.close()
+
+
+def test_phi3_fused_matrix_that_does_not_fit_is_a_clear_error():
+    """A fused attn_qkv whose rows do not add up to the heads the metadata gives."""
+    model = load_model(FIXTURES / "phi3.gguf", n_ctx=8, device="cpu")
+    try:
+        config = dataclasses.replace(model.config, n_kv_heads=1)
+        with pytest.raises(
+            LocalLLMError, match=r"blk\.0\.attn_qkv\.weight has shape .* does not fit"
+        ):
+            Transformer(model.gguf, config, CPUBackend(), 8)
+    finally:
+        model.close()

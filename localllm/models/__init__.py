@@ -13,6 +13,7 @@ from localllm.gguf import GGUFFile, read_gguf
 from localllm.models.config import ModelConfig
 from localllm.models.gemma3 import gemma3_config
 from localllm.models.llama import llama_config, mistral_config, qwen2_config, qwen3_config
+from localllm.models.phi3 import phi3_config
 from localllm.models.transformer import Transformer
 from localllm.tokenizer import Tokenizer
 
@@ -23,6 +24,7 @@ ARCHITECTURES: dict[str, Callable[[Mapping[str, Any], int], ModelConfig]] = {
     "qwen2": qwen2_config,
     "qwen3": qwen3_config,
     "gemma3": gemma3_config,
+    "phi3": phi3_config,
 }
 
 DEFAULT_CTX = 4096

@@ -36,6 +36,12 @@ class ModelConfig:
     activation: str = "silu"  # "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation)
     embed_scale: float = 1.0  # token embeddings are multiplied by this (Gemma: sqrt(dim))
     attn_scale: float = 0.0  # 0 means 1 / sqrt(head_dim)
+    # q is multiplied by the attention scale before q.k, rather than the scores after (llama.cpp
+    # scales Qcur so for phi3 and gemma2; the f16 rounding of q then comes after the scale)
+    scale_q: bool = False
+    # rope.scaling.original_context_length (default: the training context): LongRoPE uses its
+    # long factors when the context is larger
+    n_ctx_orig: int = 0
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (attn_q_norm, attn_k_norm)
     # Per layer: attention window (0 = global) and RoPE base; empty means global / rope_theta.
     layer_windows: tuple[int, ...] = field(default_factory=tuple)
@@ -94,6 +100,7 @@ def base_config(
         rope_dim=int_meta(metadata, f"{arch}.rope.dimension_count", head_dim),
         rope_neox=False,
         rope_scaling=rope_scaling(metadata, arch, n_ctx_train),
+        n_ctx_orig=int_meta(metadata, f"{arch}.rope.scaling.original_context_length", n_ctx_train),
     )
     values.update(overrides)
     return ModelConfig(**values)

@@ -1,9 +1,10 @@
 """The decoder-only transformer every supported architecture runs on, driven by ModelConfig.
 
 Optional pieces are chosen by the tensors the file holds: Q/K/V biases (qwen2), post-norms
-(gemma3), RoPE frequency factors (rope_freqs, Llama 3.1+), a separate output matrix (else the
-embedding is tied); QK-norm (gemma3, qwen3) by the config. All buffers are allocated here, once;
-`forward` only fills them.
+(gemma3), RoPE frequency factors (rope_freqs, Llama 3.1+; LongRoPE's rope_factors_long/short,
+Phi-3), fused Q/K/V and gate/up matrices (Phi-3: split into row views of the one mapped tensor),
+a separate output matrix (else the embedding is tied); QK-norm (gemma3, qwen3) by the config.
+All buffers are allocated here, once; `forward` only fills them.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class Transformer:
         out = self._tensors.get("output.weight")
         self.output = b.weight(out) if out is not None else self.token_embd
         self.layers = [self._layer(i) for i in range(config.n_layers)]
-        self.rope_freqs = self._rope_freqs()  # host float32[rope_dim // 2] or None
+        self.rope_freqs = self._rope_freqs(n_ctx)  # host float32[rope_dim // 2] or None
         self._check_shapes()
         self.scratch = Scratch(config, n_batch, backend.zeros)
         self.cache = self.new_cache(n_ctx)
@@ -90,32 +91,73 @@ class Transformer:
         tensor = self._tensors.get(name)
         return None if tensor is None else self.backend.vector(tensor)
 
-    def _rope_freqs(self) -> np.ndarray | None:
-        """rope_freqs.weight, the per-pair divisors of the RoPE angles that Llama 3.1+'s files
-        carry (the converter's llama3 scaling); the tables are made on the host."""
-        tensor = self._tensors.get("rope_freqs.weight")
+    def _rope_freqs(self, n_ctx: int) -> np.ndarray | None:
+        """The per-pair divisors of the RoPE angles, made into tables on the host: Llama 3.1+'s
+        rope_freqs.weight (the converter's llama3 scaling), or LongRoPE's (Phi-3) factors, chosen
+        as llama.cpp's get_rope_factors chooses them: rope_factors_long when the context is
+        larger than the original one, else rope_factors_short. The context is llama.cpp's, the
+        size asked for rounded up to a multiple of 256 (its n_ctx_seq)."""
+        name = "rope_freqs.weight"
+        if name not in self._tensors and "rope_factors_long.weight" in self._tensors:
+            n_ctx_seq = -(-n_ctx // 256) * 256
+            long = n_ctx_seq > self.config.n_ctx_orig
+            name = "rope_factors_long.weight" if long else "rope_factors_short.weight"
+        tensor = self._tensors.get(name)
         if tensor is None:
             return None
         n_pairs = self.config.rope_dim // 2
         if tensor.ggml_type != 0 or tensor.data.nbytes != 4 * n_pairs:
             raise LocalLLMError(
-                f"tensor rope_freqs.weight should be {n_pairs} F32 values (rope_dim / 2), "
+                f"tensor {name} should be {n_pairs} F32 values (rope_dim / 2), "
                 f"is {tensor.type_name} {tensor.shape}; the file is inconsistent"
             )
         return np.ascontiguousarray(tensor.data.view(np.float32).reshape(-1))
 
+    def _split(self, name: str, sizes: tuple[int, ...], parts: tuple[str, ...]) -> list:
+        """The weights of a fused matrix's consecutive row blocks of `sizes` rows, each a view."""
+        fused = self._tensor(name)
+        if len(fused.shape) != 2 or fused.shape[0] != sum(sizes):
+            raise LocalLLMError(
+                f"tensor {name} has shape {fused.shape}, which does not fit the model's "
+                f"metadata ({' + '.join(map(str, sizes))} rows); the file is inconsistent"
+            )
+        starts = np.cumsum((0, *sizes))
+        return [
+            self.backend.weight(fused.rows(int(start), int(start + size), f"{name}[{part}]"))
+            for start, size, part in zip(starts, sizes, parts, strict=False)
+        ]
+
+    def _qkv(self, p: str) -> list:
+        """wq, wk, wv: separate tensors, or row views of a fused attn_qkv (Phi-3)."""
+        if p + "attn_qkv.weight" not in self._tensors:
+            return [self.backend.weight(self._tensor(p + f"attn_{x}.weight")) for x in "qkv"]
+        c = self.config
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        return self._split(p + "attn_qkv.weight", (q_dim, kv_dim, kv_dim), ("q", "k", "v"))
+
+    def _gate_up(self, p: str) -> list:
+        """w_gate, w_up: separate tensors, or the two halves of an ffn_up with no ffn_gate
+        (Phi-3's gate_up_proj: gate rows first, as ggml_swiglu splits it)."""
+        n = self.config.ffn_dim
+        up = self._tensor(p + "ffn_up.weight")
+        if p + "ffn_gate.weight" not in self._tensors and up.shape[0] == 2 * n:
+            return self._split(p + "ffn_up.weight", (n, n), ("gate", "up"))
+        return [self.backend.weight(self._tensor(p + "ffn_gate.weight")), self.backend.weight(up)]
+
     def _layer(self, i: int) -> Layer:
         b, p = self.backend, f"blk.{i}."
         qk_norm = self.config.qk_norm
+        wq, wk, wv = self._qkv(p)
+        w_gate, w_up = self._gate_up(p)
         return Layer(
             attn_norm=b.vector(self._tensor(p + "attn_norm.weight")),
-            wq=b.weight(self._tensor(p + "attn_q.weight")),
-            wk=b.weight(self._tensor(p + "attn_k.weight")),
-            wv=b.weight(self._tensor(p + "attn_v.weight")),
+            wq=wq,
+            wk=wk,
+            wv=wv,
             wo=b.weight(self._tensor(p + "attn_output.weight")),
             ffn_norm=b.vector(self._tensor(p + "ffn_norm.weight")),
-            w_gate=b.weight(self._tensor(p + "ffn_gate.weight")),
-            w_up=b.weight(self._tensor(p + "ffn_up.weight")),
+            w_gate=w_gate,
+            w_up=w_up,
             w_down=b.weight(self._tensor(p + "ffn_down.weight")),
             bq=self._optional_vector(p + "attn_q.bias"),
             bk=self._optional_vector(p + "attn_k.bias"),
@@ -263,6 +305,9 @@ class Transformer:
         b.rope(q3, cos, sin, c.rope_neox)
         b.rope(k3, cos, sin, c.rope_neox)
         b.write_kv(k_cache, v_cache, start_pos, k3, v.reshape(n, c.n_kv_heads, c.head_dim))
+        if c.scale_q:
+            b.scale(q, attn_scale)
+            attn_scale = 1.0
         attn = s.attn[:n].reshape(n, c.n_heads, c.head_dim)
         b.attention(q3, k_cache, v_cache, start_pos, window, attn_scale, attn)
         o = b.linear(s.attn[:n], layer.wo, s.o[:n])
