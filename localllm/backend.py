@@ -99,9 +99,11 @@ class Backend(Protocol):
         start_pos: int,
         window: int,
         scale: float,
+        softcap: float,
         out: Array,
     ) -> Array:
-        """Causal GQA attention of q: float32[n_tokens, n_heads, head_dim] over the cache."""
+        """Causal GQA attention of q: float32[n_tokens, n_heads, head_dim] over the cache;
+        softcap > 0 caps the scaled scores at softcap * tanh(score / softcap) (Gemma 2)."""
         ...
 
     def add_bias(self, x: Array, bias: Array) -> None: ...
@@ -278,13 +280,14 @@ class CPUBackend:
         """(cos, sin): float32[n_tokens, rope_dim // 2] each, for int64 positions."""
         return ops.rope_tables(positions, rope_dim, theta_base, scaling, freq_factors)
 
-    def attention(self, q, k_cache, v_cache, start_pos, window, scale, out) -> np.ndarray:
+    def attention(self, q, k_cache, v_cache, start_pos, window, scale, softcap, out) -> np.ndarray:
         """With llama_cpp_rounding, q (overwritten) and the softmax probabilities are rounded to
         half, as llama.cpp's matrix products with its f16 KV cache round them."""
         f16 = self.llama_cpp_rounding
         if f16:
             q[...] = q.astype(np.float16)
-        ops.attention(q, k_cache, v_cache, start_pos, window, np.float32(scale), f16, out)
+        scale, softcap = np.float32(scale), np.float32(softcap)
+        ops.attention(q, k_cache, v_cache, start_pos, window, scale, softcap, f16, out)
         return out
 
     def add_bias(self, x: np.ndarray, bias: np.ndarray) -> None:

@@ -234,13 +234,15 @@ def expf(x):
 # reassoc: lets LLVM vectorize the q.k dot products (a float sum is otherwise one serial chain,
 # measured ~5x slower); their rounding order is not part of any contract.
 @njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
-def attention(q, k_cache, v_cache, start_pos, window, scale, f16_probs, out):
+def attention(q, k_cache, v_cache, start_pos, window, scale, softcap, f16_probs, out):
     """Causal multi-head attention with grouped K/V heads and an optional sliding window.
 
     q: float32[n_tokens, n_heads, head_dim] for positions start_pos .. start_pos + n_tokens - 1
     k_cache, v_cache: float32[n_ctx, n_kv_heads, head_dim], filled up to start_pos + n_tokens
     window: 0 for global attention, else a key at position j is seen from position i only when
     i - j < window (llama.cpp's standard SWA mask).
+    softcap: 0, or each scaled score s becomes softcap * tanh(s / softcap) before the softmax
+    (Gemma 2's attention logit softcapping, as ggml_scale -> ggml_tanh -> ggml_scale computes it).
     f16_probs: round the softmax probabilities to half before they weight V, as llama.cpp's
     K*Q -> softmax -> V*KQ graph does with its f16 KV cache (the V product takes f16 operands).
     out: float32[n_tokens, n_heads, head_dim]
@@ -249,6 +251,7 @@ def attention(q, k_cache, v_cache, start_pos, window, scale, f16_probs, out):
     n_kv_heads = k_cache.shape[1]
     group = n_heads // n_kv_heads
     n_keys = start_pos + n_tokens
+    inv_cap = np.float32(1.0 / softcap) if softcap > 0 else np.float32(0.0)
     for job in prange(n_tokens * n_heads):
         t = job // n_heads
         h = job % n_heads
@@ -264,6 +267,8 @@ def attention(q, k_cache, v_cache, start_pos, window, scale, f16_probs, out):
             for d in range(head_dim):
                 s += q[t, h, d] * k_cache[j, kv, d]
             s *= scale
+            if softcap > 0:
+                s = softcap * np.float32(math.tanh(s * inv_cap))
             scores[j] = s
             if s > best:
                 best = s

@@ -85,6 +85,11 @@ class Case:
     # are made as the converter makes them from a long_factor / short_factor config
     longrope_original_ctx: int = 0
     sliding_window: int | None = None  # attention.sliding_window metadata, where the case has it
+    softcaps: tuple[float, float] | None = None  # gemma2: attention and final logit softcapping
+    # post-attention and post-FFN norm weights (gemma2): the post-norm makes an attention output
+    # that averages many positions as large as any other, a small weight keeps it from drowning
+    # the token's own signal (greedy would then repeat one token)
+    post_norm_gains: tuple[float, float] = (1.0, 1.0)
     prompt_lengths: tuple[int, ...] = (24, 90)
     qk_gain: float = 1.5  # q and k projections: output rms / input rms
     qk_norm_gain: float = 1.6  # qwen3: the per-head norm weights (score scale after QK-norm)
@@ -180,6 +185,31 @@ CASES: dict[str, Case] = {
             longrope_original_ctx=160,
             sliding_window=16,
             tokenizer="phi3",
+            prompt_lengths=(30, 100),
+        ),
+        Case(
+            "gemma2",
+            "gemma2",
+            "Gemma 2 style: a sliding-window layer (window 24) then a global one, post-attention "
+            "and post-FFN norms, GeGLU, embeddings scaled by sqrt(dim), q scaled by "
+            "1/sqrt(head_dim) before q.k, an attention softcap of 5 (the real 50 would barely "
+            "touch these scores) and the real final logit softcap of 30 on logits of ~20, tied "
+            "embeddings, a SentencePiece vocabulary without a space prefix",
+            seed=7,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=48,
+            context_length=8192,
+            rms_eps=1e-6,
+            write_head_dim=True,
+            sliding_window=24,
+            softcaps=(5.0, 30.0),
+            post_norm_gains=(0.3, 2.0),
+            # embeddings scaled by sqrt(dim) stay small beside the sub-blocks' outputs (else the
+            # tied head predicts the last token again); the output norm spreads logits to ~20
+            embd_std=0.03,
+            output_norm_gain=30.0,
+            tokenizer="gemma",
             prompt_lengths=(30, 100),
         ),
     )
@@ -348,6 +378,9 @@ def _weights(case: Case, rng: np.random.Generator) -> dict[str, tuple[str, np.nd
             tensors[p + "attn_k.weight"] = (attn, k)
             tensors[p + "attn_v.weight"] = (attn, v)
         tensors[p + "attn_output.weight"] = (attn, matrix(c.dim, q_dim, 1.0))
+        if c.arch == "gemma2":
+            gain = c.post_norm_gains[0]
+            tensors[p + "post_attention_norm.weight"] = ("F32", norm(c.dim, 0.1 * gain, gain))
         if c.arch == "qwen3":
             tensors[p + "attn_q_norm.weight"] = ("F32", norm(c.head_dim, 0.2, c.qk_norm_gain))
             tensors[p + "attn_k_norm.weight"] = ("F32", norm(c.head_dim, 0.2, c.qk_norm_gain))
@@ -360,6 +393,9 @@ def _weights(case: Case, rng: np.random.Generator) -> dict[str, tuple[str, np.nd
             tensors[p + "ffn_gate.weight"] = (ffn, gate)
             tensors[p + "ffn_up.weight"] = (ffn, up)
         tensors[p + "ffn_down.weight"] = (ffn, matrix(c.dim, c.ffn_dim, 1.0))
+        if c.arch == "gemma2":
+            gain = c.post_norm_gains[1]
+            tensors[p + "post_ffw_norm.weight"] = ("F32", norm(c.dim, 0.1 * gain, gain))
     return tensors
 
 
@@ -395,7 +431,8 @@ def write_case(case: Case, path: str | Path, drop: tuple[str, ...] = ()) -> None
     writer.add_block_count(c.n_layers)
     writer.add_head_count(c.n_heads)
     writer.add_head_count_kv(c.n_kv_heads)
-    writer.add_rope_freq_base(c.rope_theta)
+    if c.arch != "gemma2":  # Gemma2Model writes no rope_theta (llama.cpp's default, 10000)
+        writer.add_rope_freq_base(c.rope_theta)
     writer.add_layer_norm_rms_eps(c.rms_eps)
     if c.write_head_dim:
         writer.add_key_length(c.head_dim)
@@ -415,9 +452,12 @@ def write_case(case: Case, path: str | Path, drop: tuple[str, ...] = ()) -> None
         if c.longrope_original_ctx:  # generate_extra_tensors, for a long_factor config
             attn_factor = longrope_attn_factor(c.context_length, c.longrope_original_ctx)
             writer.add_rope_scaling_attn_factors(attn_factor)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    if c.softcaps is not None:  # Gemma2Model.set_gguf_parameters
+        writer.add_attn_logit_softcapping(c.softcaps[0])
+        writer.add_final_logit_softcapping(c.softcaps[1])
     if c.sliding_window is not None:
         writer.add_sliding_window(c.sliding_window)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     _write_vocabulary(writer, c.tokenizer, vocab)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for name, (type_name, array) in tensors.items():
@@ -491,6 +531,7 @@ def metadata_summary(case: Case) -> dict[str, Any]:
     extra = {
         "longrope_original_ctx": case.longrope_original_ctx,
         "sliding_window": case.sliding_window,
+        "softcaps": case.softcaps,
     }
     summary.update({k: v for k, v in extra.items() if v})
     return summary

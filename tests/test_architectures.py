@@ -279,7 +279,7 @@ def test_unsupported_rope_scaling_is_one_error_line(tmp_path):
     assert "unsupported RoPE scaling type 'longrope' (llama.rope.scaling.type)" in error
 
 
-# ---- Phi-3: fused matrices, LongRoPE, no sliding window ----
+# ---- the particulars of each family ----
 
 
 def worst_teacher_forced_diff(transformer, expected) -> float:
@@ -294,34 +294,49 @@ def factors(model, name: str) -> np.ndarray:
     return model.gguf.tensors[name].data.view(np.float32).reshape(-1)
 
 
-PHI3_VARIANTS = {
-    "short factors": lambda config, model: (config, factors(model, "rope_factors_short.weight")),
-    "no attn factor": lambda config, model: (
-        dataclasses.replace(config, rope_scaling=RopeScaling()),
-        None,
-    ),
-    "sliding window applied": lambda config, model: (
-        dataclasses.replace(config, layer_windows=(16,) * config.n_layers),
-        None,
-    ),
+def replaced(**fields):
+    """A variant that changes config fields (and keeps the RoPE factors)."""
+    return lambda config, model: (dataclasses.replace(config, **fields), None)
+
+
+# case -> variant -> (config, model) -> (config, RoPE factors to use or None): each of a family's
+# particulars undone, or done where llama.cpp does not
+FEATURE_VARIANTS = {
+    "phi3": {
+        "short factors": lambda config, model: (
+            config,
+            factors(model, "rope_factors_short.weight"),
+        ),
+        "no attn factor": replaced(rope_scaling=RopeScaling()),
+        "sliding window applied": replaced(layer_windows=(16, 16)),
+    },
+    "gemma2": {
+        "no attention softcap": replaced(attn_softcap=0.0),
+        "no final softcap": replaced(final_softcap=0.0),
+        "no sliding window": replaced(layer_windows=(0, 0)),
+        "window on the other layer": replaced(layer_windows=(0, 24)),
+    },
 }
 
 
-@pytest.mark.parametrize("variant", PHI3_VARIANTS)
-def test_phi3_longrope_and_global_attention_are_what_matches(variant):
-    """The long factors (llama.cpp's context is larger than the original one), the attn factor,
-    and attention over the whole context although the file sets a window: each changed, the
-    logits land at least 10 tolerances from llama.cpp's."""
-    ref = reference("phi3")
+@pytest.mark.parametrize(
+    ("name", "variant"),
+    [(name, variant) for name, variants in FEATURE_VARIANTS.items() for variant in variants],
+)
+def test_family_particulars_are_what_matches(name, variant):
+    """Each particular of a family undone (or, for phi3's window, done): the logits land at least
+    10 tolerances from llama.cpp's, so the tests above would catch a loader that missed it."""
+    ref = reference(name)
     expected = ref["greedy"][-1]
-    model = load_model(FIXTURES / "phi3.gguf", n_ctx=8, device="cpu")
+    model = load_model(FIXTURES / f"{name}.gguf", n_ctx=8, device="cpu")
     try:
-        config, rope_freqs = PHI3_VARIANTS[variant](model.config, model)
+        config, rope_freqs = FEATURE_VARIANTS[name][variant](model.config, model)
         n_ctx = len(expected["prompt_ids"]) + N_STEPS
         transformer = Transformer(model.gguf, config, CPUBackend(), n_ctx)
         if rope_freqs is not None:
             transformer.rope_freqs = np.ascontiguousarray(rope_freqs)
-        assert worst_teacher_forced_diff(transformer, expected) > 10 * tolerance(ref), variant
+        worst = worst_teacher_forced_diff(transformer, expected)
+        assert worst > 10 * tolerance(ref), (name, variant, worst)
     finally:
         model.close()
 

@@ -97,7 +97,7 @@ def test_rope_tables_scaling_and_factors(kind):
         assert np.abs(cos - plain_cos).max() > 0.1
 
 
-def _attention_ref(q, k, v, start_pos, window, scale):
+def _attention_ref(q, k, v, start_pos, window, scale, softcap=0.0):
     n_tokens, n_heads, head_dim = q.shape
     group = n_heads // k.shape[1]
     out = np.zeros_like(q, dtype=np.float64)
@@ -107,24 +107,28 @@ def _attention_ref(q, k, v, start_pos, window, scale):
         for h in range(n_heads):
             keys = k[first : pos + 1, h // group].astype(np.float64)
             s = keys @ q[t, h] * scale
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
             p = np.exp(s - s.max())
             p /= p.sum()
             out[t, h] = p @ v[first : pos + 1, h // group]
     return out
 
 
-@pytest.mark.parametrize("window", [0, 3])
-def test_attention_gqa_causal_window(window):
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (3, 0.0), (0, 2.0), (3, 2.0)])
+def test_attention_gqa_causal_window(window, softcap):
+    """GQA, causal, windowed; with softcap (Gemma 2) scores of ~3 units are capped near 2."""
     n_ctx, n_heads, n_kv, head_dim, start, n = 16, 6, 2, 8, 5, 4
-    q = rng.standard_normal((n, n_heads, head_dim)).astype(np.float32)
+    q = rng.standard_normal((n, n_heads, head_dim)).astype(np.float32) * 3
     k = rng.standard_normal((n_ctx, n_kv, head_dim)).astype(np.float32)
     v = rng.standard_normal((n_ctx, n_kv, head_dim)).astype(np.float32)
     out = np.empty_like(q)
     scale = 1 / math.sqrt(head_dim)
-    ops.attention(q, k, v, start, window, np.float32(scale), False, out)
-    np.testing.assert_allclose(
-        out, _attention_ref(q, k, v, start, window, scale), rtol=1e-4, atol=1e-5
-    )
+    ops.attention(q, k, v, start, window, np.float32(scale), np.float32(softcap), False, out)
+    expected = _attention_ref(q, k, v, start, window, scale, softcap)
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
+    if softcap:  # and the cap changed the result
+        assert np.abs(expected - _attention_ref(q, k, v, start, window, scale)).max() > 0.05
 
 
 def test_activations():

@@ -11,7 +11,7 @@ from typing import Any
 from localllm.errors import LocalLLMError
 from localllm.gguf import GGUFFile, read_gguf
 from localllm.models.config import ModelConfig
-from localllm.models.gemma3 import gemma3_config
+from localllm.models.gemma import gemma2_config, gemma3_config
 from localllm.models.llama import llama_config, mistral_config, qwen2_config, qwen3_config
 from localllm.models.phi3 import phi3_config
 from localllm.models.transformer import Transformer
@@ -23,6 +23,7 @@ ARCHITECTURES: dict[str, Callable[[Mapping[str, Any], int], ModelConfig]] = {
     "mistral": mistral_config,
     "qwen2": qwen2_config,
     "qwen3": qwen3_config,
+    "gemma2": gemma2_config,
     "gemma3": gemma3_config,
     "phi3": phi3_config,
 }

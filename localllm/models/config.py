@@ -39,6 +39,8 @@ class ModelConfig:
     # q is multiplied by the attention scale before q.k, rather than the scores after (llama.cpp
     # scales Qcur so for phi3 and gemma2; the f16 rounding of q then comes after the scale)
     scale_q: bool = False
+    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before the softmax (gemma2)
+    final_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (gemma2)
     # rope.scaling.original_context_length (default: the training context): LongRoPE uses its
     # long factors when the context is larger
     n_ctx_orig: int = 0

@@ -254,7 +254,11 @@ class Transformer:
         b, c, s = self.backend, self.config, self.scratch
         n = end - first
         h = b.rmsnorm(s.x[first:end], self.output_norm, c.rms_eps, s.h[:n])
-        return b.to_host(b.linear(h, self.output, s.logits[:n]))
+        logits = b.to_host(b.linear(h, self.output, s.logits[:n]))
+        if c.final_softcap:  # as ggml: scale by 1 / cap, tanh, scale by cap
+            cap = np.float32(c.final_softcap)
+            logits = np.tanh(logits * (np.float32(1.0) / cap)) * cap
+        return logits
 
     def _forward_chunk(
         self, token_ids: np.ndarray, start_pos: int, cache: KVCache, interrupt=None
@@ -309,7 +313,7 @@ class Transformer:
             b.scale(q, attn_scale)
             attn_scale = 1.0
         attn = s.attn[:n].reshape(n, c.n_heads, c.head_dim)
-        b.attention(q3, k_cache, v_cache, start_pos, window, attn_scale, attn)
+        b.attention(q3, k_cache, v_cache, start_pos, window, attn_scale, c.attn_softcap, attn)
         o = b.linear(s.attn[:n], layer.wo, s.o[:n])
         if layer.post_attn_norm is not None:
             b.rmsnorm(o, layer.post_attn_norm, c.rms_eps, o)
