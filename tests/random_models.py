@@ -47,6 +47,8 @@ TOKENIZERS = {
     # (llama.cpp sets attributes of <|endoftext|> by name for a model named phi3: it must exist)
     "phi3": (None, ("<s>", "</s>", "<unk>", "<|endoftext|>", "<|end|>", "<|assistant|>")),
     "gemma": (None, ("<bos>", "<eos>", "<unk>", "<start_of_turn>", "<end_of_turn>")),
+    "granite": ("refact", ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>")),
+    "olmo": ("dbrx", ("<|endoftext|>", "<|pad|>")),
 }
 ADDS_BOS = {"llama3", "gemma"}  # tokenizers whose prompts start with BOS
 
@@ -90,6 +92,9 @@ class Case:
     # that averages many positions as large as any other, a small weight keeps it from drowning
     # the token's own signal (greedy would then repeat one token)
     post_norm_gains: tuple[float, float] = (1.0, 1.0)
+    # granite's multipliers: embedding, attention, residual, logits (the converter's
+    # embedding_multiplier, attention_multiplier, residual_multiplier, logits_scaling)
+    multipliers: tuple[float, float, float, float] | None = None
     prompt_lengths: tuple[int, ...] = (24, 90)
     qk_gain: float = 1.5  # q and k projections: output rms / input rms
     qk_norm_gain: float = 1.6  # qwen3: the per-head norm weights (score scale after QK-norm)
@@ -210,6 +215,54 @@ CASES: dict[str, Case] = {
             embd_std=0.03,
             output_norm_gain=30.0,
             tokenizer="gemma",
+            prompt_lengths=(30, 100),
+        ),
+        Case(
+            "granite",
+            "granite",
+            "Granite 3 style: embeddings times 12, attention scores times 1/head_dim (1/32) "
+            "instead of 1/sqrt(head_dim), sub-block outputs times 0.22 before the residual add, "
+            "logits divided by 8; llama (adjacent-pair) RoPE, an untied head",
+            seed=8,
+            tied_embeddings=False,
+            multipliers=(12.0, 0.03125, 0.22, 8.0),
+            qk_gain=3.0,  # scores of a few units under the small attention multiplier
+            tokenizer="granite",
+            embd_std=0.3,
+            output_norm_gain=30.0,  # logits of ~35 after the division by 8
+            prompt_lengths=(30, 100),
+        ),
+        Case(
+            "olmo2",
+            "olmo2",
+            "OLMo 2 style: no pre-norms, post-attention and post-FFN norms, q and k RMS-normed "
+            "across all heads (norm weights of 128 and 64) before NeoX RoPE, 4 heads over 2 KV "
+            "heads, an untied head",
+            seed=9,
+            tied_embeddings=False,
+            rms_eps=1e-6,
+            rope_theta=500000.0,
+            tokenizer="olmo",
+            embd_std=0.8,
+            output_norm_gain=1.0,
+            prompt_lengths=(30, 100),
+        ),
+        Case(
+            "smollm3",
+            "smollm3",
+            "SmolLM3 style: 4 layers, the 4th without RoPE (llama.cpp's n_no_rope_layer_step), "
+            "llama RoPE elsewhere, 4 heads of 16 over 2 KV heads on a 64 embedding, tied "
+            "embeddings",
+            seed=10,
+            n_layers=4,
+            dim=64,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=16,
+            ffn_dim=96,
+            context_length=65536,
+            rope_theta=5000000.0,
+            rms_eps=1e-6,
             prompt_lengths=(30, 100),
         ),
     )
@@ -365,9 +418,12 @@ def _weights(case: Case, rng: np.random.Generator) -> dict[str, tuple[str, np.nd
         tensors["rope_factors_short.weight"] = ("F32", short)
     attn, ffn = c.types["attn"], c.types.get("ffn", c.types["attn"])
     fused = c.arch == "phi3"  # Phi3MiniModel keeps qkv_proj and gate_up_proj whole
+    post_norms = c.arch in ("gemma2", "olmo2")
+    pre_norms = c.arch != "olmo2"
     for i in range(c.n_layers):
         p = f"blk.{i}."
-        tensors[p + "attn_norm.weight"] = ("F32", norm(c.dim))
+        if pre_norms:
+            tensors[p + "attn_norm.weight"] = ("F32", norm(c.dim))
         q = matrix(q_dim, c.dim, c.qk_gain)
         k = matrix(kv_dim, c.dim, c.qk_gain)
         v = matrix(kv_dim, c.dim, 1.0)
@@ -378,13 +434,17 @@ def _weights(case: Case, rng: np.random.Generator) -> dict[str, tuple[str, np.nd
             tensors[p + "attn_k.weight"] = (attn, k)
             tensors[p + "attn_v.weight"] = (attn, v)
         tensors[p + "attn_output.weight"] = (attn, matrix(c.dim, q_dim, 1.0))
-        if c.arch == "gemma2":
+        if c.arch == "olmo2":  # q and k normalized across heads
+            tensors[p + "attn_q_norm.weight"] = ("F32", norm(q_dim, 0.2, c.qk_norm_gain))
+            tensors[p + "attn_k_norm.weight"] = ("F32", norm(kv_dim, 0.2, c.qk_norm_gain))
+        if post_norms:
             gain = c.post_norm_gains[0]
             tensors[p + "post_attention_norm.weight"] = ("F32", norm(c.dim, 0.1 * gain, gain))
         if c.arch == "qwen3":
             tensors[p + "attn_q_norm.weight"] = ("F32", norm(c.head_dim, 0.2, c.qk_norm_gain))
             tensors[p + "attn_k_norm.weight"] = ("F32", norm(c.head_dim, 0.2, c.qk_norm_gain))
-        tensors[p + "ffn_norm.weight"] = ("F32", norm(c.dim))
+        if pre_norms:
+            tensors[p + "ffn_norm.weight"] = ("F32", norm(c.dim))
         gate = matrix(c.ffn_dim, c.dim, 1.0)
         up = matrix(c.ffn_dim, c.dim, 1.0)
         if fused:  # gate rows first, as HF's gate_up_proj.chunk(2) and ggml_swiglu split it
@@ -393,7 +453,7 @@ def _weights(case: Case, rng: np.random.Generator) -> dict[str, tuple[str, np.nd
             tensors[p + "ffn_gate.weight"] = (ffn, gate)
             tensors[p + "ffn_up.weight"] = (ffn, up)
         tensors[p + "ffn_down.weight"] = (ffn, matrix(c.dim, c.ffn_dim, 1.0))
-        if c.arch == "gemma2":
+        if post_norms:
             gain = c.post_norm_gains[1]
             tensors[p + "post_ffw_norm.weight"] = ("F32", norm(c.dim, 0.1 * gain, gain))
     return tensors
@@ -443,9 +503,15 @@ def write_case(case: Case, path: str | Path, drop: tuple[str, ...] = ()) -> None
         writer.add_rope_scaling_factor(factor)
         if kind == "yarn":
             writer.add_rope_scaling_orig_ctx_len(original_ctx)
-    if c.arch == "llama":  # LlamaModel.set_gguf_parameters
+    if c.arch in ("llama", "granite", "smollm3"):  # LlamaModel.set_gguf_parameters
         writer.add_vocab_size(len(vocab.tokens))
         writer.add_rope_dimension_count(c.head_dim)
+    if c.multipliers is not None:  # GraniteModel.set_gguf_parameters
+        embedding, attention, residual, logits = c.multipliers
+        writer.add_attention_scale(attention)
+        writer.add_embedding_scale(embedding)
+        writer.add_residual_scale(residual)
+        writer.add_logit_scale(logits)
     if c.arch == "phi3":  # Phi3MiniModel.set_gguf_parameters
         writer.add_rope_scaling_orig_ctx_len(c.longrope_original_ctx or c.context_length)
         writer.add_rope_dimension_count(c.head_dim)
@@ -532,6 +598,7 @@ def metadata_summary(case: Case) -> dict[str, Any]:
         "longrope_original_ctx": case.longrope_original_ctx,
         "sliding_window": case.sliding_window,
         "softcaps": case.softcaps,
+        "multipliers": case.multipliers,
     }
     summary.update({k: v for k, v in extra.items() if v})
     return summary

@@ -295,18 +295,30 @@ def factors(model, name: str) -> np.ndarray:
 
 
 def replaced(**fields):
-    """A variant that changes config fields (and keeps the RoPE factors)."""
-    return lambda config, model: (dataclasses.replace(config, **fields), None)
+    """A variant that changes config fields."""
+    return lambda config: (dataclasses.replace(config, **fields), None)
 
 
-# case -> variant -> (config, model) -> (config, RoPE factors to use or None): each of a family's
-# particulars undone, or done where llama.cpp does not
+def short_factors(config):
+    def use_short(transformer, model):
+        transformer.rope_freqs = np.ascontiguousarray(factors(model, "rope_factors_short.weight"))
+
+    return config, use_short
+
+
+def without_post_attention_norms(config):
+    def drop(transformer, model):
+        for layer in transformer.layers:
+            layer.post_attn_norm = None
+
+    return config, drop
+
+
+# case -> variant -> config -> (config, None or a change to the transformer(transformer, model)):
+# each of a family's particulars undone, or done where llama.cpp does not
 FEATURE_VARIANTS = {
     "phi3": {
-        "short factors": lambda config, model: (
-            config,
-            factors(model, "rope_factors_short.weight"),
-        ),
+        "short factors": short_factors,
         "no attn factor": replaced(rope_scaling=RopeScaling()),
         "sliding window applied": replaced(layer_windows=(16, 16)),
     },
@@ -315,6 +327,19 @@ FEATURE_VARIANTS = {
         "no final softcap": replaced(final_softcap=0.0),
         "no sliding window": replaced(layer_windows=(0, 0)),
         "window on the other layer": replaced(layer_windows=(0, 24)),
+    },
+    "granite": {
+        "no embedding scale": replaced(embed_scale=1.0),
+        "attention scale 1/sqrt(head_dim)": replaced(attn_scale=0.0),
+        "no residual scale": replaced(residual_scale=1.0),
+        "no logit scale": replaced(logit_scale=1.0),
+    },
+    "olmo2": {
+        "no q/k norm": replaced(qk_norm="none"),
+        "no post-attention norms": without_post_attention_norms,
+    },
+    "smollm3": {
+        "RoPE on every layer": replaced(layer_rope=()),
     },
 }
 
@@ -330,11 +355,11 @@ def test_family_particulars_are_what_matches(name, variant):
     expected = ref["greedy"][-1]
     model = load_model(FIXTURES / f"{name}.gguf", n_ctx=8, device="cpu")
     try:
-        config, rope_freqs = FEATURE_VARIANTS[name][variant](model.config, model)
+        config, change = FEATURE_VARIANTS[name][variant](model.config)
         n_ctx = len(expected["prompt_ids"]) + N_STEPS
         transformer = Transformer(model.gguf, config, CPUBackend(), n_ctx)
-        if rope_freqs is not None:
-            transformer.rope_freqs = np.ascontiguousarray(rope_freqs)
+        if change is not None:
+            change(transformer, model)
         worst = worst_teacher_forced_diff(transformer, expected)
         assert worst > 10 * tolerance(ref), (name, variant, worst)
     finally:
@@ -390,3 +415,17 @@ def test_phi3_fused_matrix_that_does_not_fit_is_a_clear_error():
             Transformer(model.gguf, config, CPUBackend(), 8)
     finally:
         model.close()
+
+
+def test_olmo3_sliding_window_is_one_error_line(tmp_path):
+    """An olmo2 file with sliding-window layers (OLMo 3) is refused, not run wrong."""
+    case = dataclasses.replace(random_models.CASES["olmo2"], sliding_window=4096)
+    error = one_error_line(tmp_path, case)
+    assert "sliding-window layers (olmo2.attention.sliding_window" in error
+
+
+def test_granite_without_logit_scale_is_one_error_line(tmp_path):
+    """llama.cpp requires granite.logit_scale; so does localllm, naming the key."""
+    case = dataclasses.replace(random_models.CASES["granite"], multipliers=None)
+    error = one_error_line(tmp_path, case)
+    assert "lacks the metadata key 'granite.logit_scale'" in error

@@ -54,7 +54,7 @@ def gemma2_config(metadata: Mapping[str, Any], vocab_size: int) -> ModelConfig:
 
 def gemma3_config(metadata: Mapping[str, Any], vocab_size: int) -> ModelConfig:
     config = base_config(
-        metadata, "gemma3", vocab_size, rope_neox=True, activation="gelu", qk_norm=True
+        metadata, "gemma3", vocab_size, rope_neox=True, activation="gelu", qk_norm="head"
     )
     window = int_meta(metadata, "gemma3.attention.sliding_window", 4096)
     theta_local = float(metadata.get("gemma3.rope.freq_base_swa", GEMMA3_ROPE_THETA_LOCAL))

@@ -3,8 +3,10 @@
 Optional pieces are chosen by the tensors the file holds: Q/K/V biases (qwen2), post-norms
 (gemma3), RoPE frequency factors (rope_freqs, Llama 3.1+; LongRoPE's rope_factors_long/short,
 Phi-3), fused Q/K/V and gate/up matrices (Phi-3: split into row views of the one mapped tensor),
-a separate output matrix (else the embedding is tied); QK-norm (gemma3, qwen3) by the config.
-All buffers are allocated here, once; `forward` only fills them.
+a separate output matrix (else the embedding is tied). By the config: QK-norm per head (gemma3,
+qwen3) or across heads (olmo2), no pre-norms (olmo2), scaled residuals and logits (granite),
+softcaps (gemma2), layers without RoPE (smollm3). All buffers are allocated here, once; `forward`
+only fills them.
 """
 
 from __future__ import annotations
@@ -24,20 +26,20 @@ from localllm.models.config import ModelConfig
 
 @dataclass
 class Layer:
-    attn_norm: np.ndarray  # float32[dim]
+    attn_norm: np.ndarray | None  # float32[dim]; None without pre-norms (olmo2)
     wq: object
     wk: object
     wv: object
     wo: object
-    ffn_norm: np.ndarray  # float32[dim]
+    ffn_norm: np.ndarray | None  # float32[dim]
     w_gate: object
     w_up: object
     w_down: object
     bq: np.ndarray | None = None  # float32[n_heads * head_dim]
     bk: np.ndarray | None = None  # float32[n_kv_heads * head_dim]
     bv: np.ndarray | None = None
-    q_norm: np.ndarray | None = None  # float32[head_dim]
-    k_norm: np.ndarray | None = None
+    q_norm: np.ndarray | None = None  # float32[head_dim], or [n_heads * head_dim] across heads
+    k_norm: np.ndarray | None = None  # float32[head_dim], or [n_kv_heads * head_dim]
     post_attn_norm: np.ndarray | None = None  # float32[dim]
     post_ffn_norm: np.ndarray | None = None
 
@@ -146,16 +148,17 @@ class Transformer:
 
     def _layer(self, i: int) -> Layer:
         b, p = self.backend, f"blk.{i}."
-        qk_norm = self.config.qk_norm
+        c = self.config
+        qk_norm, pre_norm = c.qk_norm != "none", c.pre_norm
         wq, wk, wv = self._qkv(p)
         w_gate, w_up = self._gate_up(p)
         return Layer(
-            attn_norm=b.vector(self._tensor(p + "attn_norm.weight")),
+            attn_norm=b.vector(self._tensor(p + "attn_norm.weight")) if pre_norm else None,
             wq=wq,
             wk=wk,
             wv=wv,
             wo=b.weight(self._tensor(p + "attn_output.weight")),
-            ffn_norm=b.vector(self._tensor(p + "ffn_norm.weight")),
+            ffn_norm=b.vector(self._tensor(p + "ffn_norm.weight")) if pre_norm else None,
             w_gate=w_gate,
             w_up=w_up,
             w_down=b.weight(self._tensor(p + "ffn_down.weight")),
@@ -189,6 +192,16 @@ class Transformer:
                     f"tensor {w.name} has shape ({w.n_rows}, {w.n_cols}), which does not fit the "
                     f"model's metadata; the file is inconsistent"
                 )
+        if c.qk_norm != "none":
+            across = c.qk_norm == "all"
+            sizes = (q_dim, kv_dim) if across else (c.head_dim, c.head_dim)
+            for i, layer in enumerate(self.layers):
+                for name, norm, size in zip(("q", "k"), (layer.q_norm, layer.k_norm), sizes):
+                    if norm.shape[0] != size:
+                        raise LocalLLMError(
+                            f"tensor blk.{i}.attn_{name}_norm.weight has {norm.shape[0]} values, "
+                            f"not the {size} that {c.arch} normalizes; the file is inconsistent"
+                        )
         if self.token_embd.n_rows < c.vocab_size:
             raise LocalLLMError(f"token_embd.weight has fewer rows than the {c.vocab_size} tokens")
 
@@ -255,6 +268,8 @@ class Transformer:
         n = end - first
         h = b.rmsnorm(s.x[first:end], self.output_norm, c.rms_eps, s.h[:n])
         logits = b.to_host(b.linear(h, self.output, s.logits[:n]))
+        if c.logit_scale != 1.0:  # as ggml_scale by 1 / logit_scale
+            logits *= np.float32(1.0) / np.float32(c.logit_scale)
         if c.final_softcap:  # as ggml: scale by 1 / cap, tanh, scale by cap
             cap = np.float32(c.final_softcap)
             logits = np.tanh(logits * (np.float32(1.0) / cap)) * cap
@@ -283,7 +298,7 @@ class Transformer:
                 tables[key] = b.rope_tables(
                     positions, c.rope_dim, c.theta(i), scaling, self.rope_freqs
                 )
-            cos, sin = tables[key]
+            cos, sin = tables[key] if c.rotates(i) else (None, None)
             k_cache, v_cache = cache.k[i], cache.v[i]
             self._attention_block(
                 layer, x, k_cache, v_cache, start_pos, cos, sin, window, attn_scale
@@ -295,7 +310,7 @@ class Transformer:
     ) -> None:
         b, c, s = self.backend, self.config, self.scratch
         n = x.shape[0]
-        h = b.rmsnorm(x, layer.attn_norm, c.rms_eps, s.h[:n])
+        h = x if layer.attn_norm is None else b.rmsnorm(x, layer.attn_norm, c.rms_eps, s.h[:n])
         q, k, v = b.linear_many(h, (layer.wq, layer.wk, layer.wv), (s.q[:n], s.k[:n], s.v[:n]))
         if layer.bq is not None:
             b.add_bias(q, layer.bq)
@@ -303,11 +318,15 @@ class Transformer:
             b.add_bias(v, layer.bv)
         q3 = q.reshape(n, c.n_heads, c.head_dim)
         k3 = k.reshape(n, c.n_kv_heads, c.head_dim)
-        if layer.q_norm is not None:
+        if c.qk_norm == "head":
             b.rmsnorm_heads(q3, layer.q_norm, c.rms_eps)
             b.rmsnorm_heads(k3, layer.k_norm, c.rms_eps)
-        b.rope(q3, cos, sin, c.rope_neox)
-        b.rope(k3, cos, sin, c.rope_neox)
+        elif c.qk_norm == "all":
+            b.rmsnorm(q, layer.q_norm, c.rms_eps, q)
+            b.rmsnorm(k, layer.k_norm, c.rms_eps, k)
+        if cos is not None:
+            b.rope(q3, cos, sin, c.rope_neox)
+            b.rope(k3, cos, sin, c.rope_neox)
         b.write_kv(k_cache, v_cache, start_pos, k3, v.reshape(n, c.n_kv_heads, c.head_dim))
         if c.scale_q:
             b.scale(q, attn_scale)
@@ -317,12 +336,14 @@ class Transformer:
         o = b.linear(s.attn[:n], layer.wo, s.o[:n])
         if layer.post_attn_norm is not None:
             b.rmsnorm(o, layer.post_attn_norm, c.rms_eps, o)
+        if c.residual_scale != 1.0:
+            b.scale(o, c.residual_scale)
         b.add(x, o)
 
     def _ffn_block(self, layer: Layer, x) -> None:
         b, c, s = self.backend, self.config, self.scratch
         n = x.shape[0]
-        h = b.rmsnorm(x, layer.ffn_norm, c.rms_eps, s.h[:n])
+        h = x if layer.ffn_norm is None else b.rmsnorm(x, layer.ffn_norm, c.rms_eps, s.h[:n])
         gate, up = b.linear_many(h, (layer.w_gate, layer.w_up), (s.gate[:n], s.up[:n]))
         if c.activation == "gelu":
             b.gelu_mul(gate, up)
@@ -331,4 +352,6 @@ class Transformer:
         o = b.linear(gate, layer.w_down, s.o[:n])
         if layer.post_ffn_norm is not None:
             b.rmsnorm(o, layer.post_ffn_norm, c.rms_eps, o)
+        if c.residual_scale != 1.0:
+            b.scale(o, c.residual_scale)
         b.add(x, o)
