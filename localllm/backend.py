@@ -104,9 +104,11 @@ class Backend(Protocol):
         start_pos: int,
         window: int,
         scale: float,
+        softcap: float,
         out: Array,
     ) -> Array:
-        """Causal GQA attention of q: float32[n_tokens, n_heads, head_dim] over the cache."""
+        """Causal GQA attention of q: float32[n_tokens, n_heads, head_dim] over the cache;
+        softcap > 0 caps the scaled scores at softcap * tanh(score / softcap) (Gemma 2)."""
         ...
 
     def add_bias(self, x: Array, bias: Array) -> None: ...
@@ -291,7 +293,7 @@ class CPUBackend:
         """(cos, sin): float32[n_tokens, rope_dim // 2] each, for int64 positions."""
         return ops.rope_tables(positions, rope_dim, theta_base, scaling, freq_factors)
 
-    def attention(self, q, k_cache, v_cache, start_pos, window, scale, out) -> np.ndarray:
+    def attention(self, q, k_cache, v_cache, start_pos, window, scale, softcap, out) -> np.ndarray:
         """With llama_cpp_rounding, q (overwritten) and the softmax probabilities are rounded to
         half, as llama.cpp's matrix products with its f16 KV cache round them."""
         f16 = self.llama_cpp_rounding
@@ -301,10 +303,10 @@ class CPUBackend:
         n_ctx, n_kv_heads, _ = k_cache.shape
         per_job = ops.heads_per_job(n_tokens, n_heads, n_kv_heads, numba.get_num_threads())
         scores, row = self._attention_scratch(per_job, n_ctx, head_dim)
+        scale, softcap = np.float32(scale), np.float32(softcap)
         ops.attention(
-            q, k_cache, v_cache, start_pos, window, np.float32(scale), f16, per_job, scores, row,
-            out,
-        )  # fmt: skip
+            q, k_cache, v_cache, start_pos, window, scale, softcap, f16, per_job, scores, row, out
+        )
         return out
 
     def _attention_scratch(self, heads: int, n_ctx: int, head_dim: int) -> tuple:

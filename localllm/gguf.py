@@ -23,7 +23,7 @@ import contextlib
 import mmap
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,24 @@ class TensorInfo:
     def type_name(self) -> str:
         """The GGML type's name, e.g. "Q4_K"."""
         return GGMLQuantizationType(self.ggml_type).name
+
+    def rows(self, start: int, stop: int, name: str) -> TensorInfo:
+        """Rows start..stop-1 of a 2-D tensor as a tensor of its own, named `name`: a part of a
+        fused matrix (Phi-3's attn_qkv, its gate+up ffn_up). A view of the same bytes, no copy."""
+        if len(self.shape) != 2 or not 0 <= start < stop <= self.shape[0]:
+            raise LocalLLMError(
+                f"tensor {self.name} of shape {self.shape} has no rows {start}..{stop - 1}; "
+                "the file is inconsistent"
+            )
+        row_bytes = self.data.shape[-1]
+        return replace(
+            self,
+            name=name,
+            shape=(stop - start, self.shape[1]),
+            offset=self.offset + start * row_bytes,
+            n_bytes=(stop - start) * row_bytes,
+            data=self.data[start:stop],
+        )
 
 
 class GGUFFile:

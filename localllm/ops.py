@@ -248,8 +248,9 @@ def _kv_value(x):
 # measured ~5x slower); their rounding order is not part of any contract.
 @njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
 def attention(
-    q, k_cache, v_cache, start_pos, window, scale, f16_probs, heads_per_job, scores, row, out
-):
+    q, k_cache, v_cache, start_pos, window, scale, softcap, f16_probs, heads_per_job, scores, row,
+    out,
+):  # fmt: skip
     """Causal multi-head attention over an f16 KV cache, with grouped K/V heads and an optional
     sliding window.
 
@@ -259,6 +260,8 @@ def attention(
     filled up to start_pos + n_tokens
     window: 0 for global attention, else a key at position j is seen from position i only when
     i - j < window (llama.cpp's standard SWA mask).
+    softcap: 0, or each scaled score s becomes softcap * tanh(s / softcap) before the softmax
+    (Gemma 2's attention logit softcapping, as ggml_scale -> ggml_tanh -> ggml_scale computes it).
     f16_probs: round the softmax probabilities to half before they weight V, as llama.cpp's
     K*Q -> softmax -> V*KQ graph does with its f16 KV cache (the V product takes f16 operands).
     heads_per_job: query heads of one K/V head that one job handles (a divisor of n_heads //
@@ -271,6 +274,7 @@ def attention(
     n_kv_heads = k_cache.shape[1]
     group = n_heads // n_kv_heads
     n_split = group // heads_per_job
+    inv_cap = np.float32(1.0 / softcap) if softcap > 0 else np.float32(0.0)
     for job in prange(n_tokens * n_kv_heads * n_split):
         t = job // (n_kv_heads * n_split)
         kv = job // n_split % n_kv_heads
@@ -288,7 +292,10 @@ def attention(
                 dot = np.float32(0.0)
                 for d in range(head_dim):
                     dot += q[t, h0 + g, d] * x[d]
-                s[g, j] = dot * scale
+                dot *= scale
+                if softcap > 0:
+                    dot = softcap * np.float32(math.tanh(dot * inv_cap))
+                s[g, j] = dot
         for g in range(heads_per_job):
             best = np.float32(-np.inf)
             for j in range(first, pos + 1):

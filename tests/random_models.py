@@ -8,8 +8,9 @@ tests/fixtures/architectures/; tests/test_architectures.py compares localllm wit
 
 Tensor names and metadata keys are those of convert_hf_to_gguf.py for the architecture (the
 llama3 `rope_freqs.weight` is computed as its LlamaModel.generate_extra_tensors computes it).
-The vocabulary is a tiny gpt2-style byte-level BPE: the 256 byte tokens, merges that spell a few
-dozen English words, and the architecture's special tokens.
+The vocabulary is tiny: a gpt2-style byte-level BPE (the 256 byte tokens, merges that spell a few
+dozen English words) or a SentencePiece one (byte-fallback tokens <0x00>..<0xFF>, the pieces of
+the same words with scores), then the architecture's special tokens.
 
 The weights are scaled so that the models have something to say: every matrix has gain `gain`
 over 1 / sqrt(n_in), q and k enough to make attention depend on position (scores of a few
@@ -38,10 +39,18 @@ _WORDS = (
 )  # fmt: skip
 
 TOKENIZERS = {
-    # name: (tokenizer.ggml.pre, special tokens: bos, eos, others), as the real families have
+    # name: (tokenizer.ggml.pre, special tokens: bos, eos, others), as the real families have;
+    # pre None: a SentencePiece vocabulary (tokenizer.ggml.model "llama"), whose third special
+    # token is <unk>
     "llama3": ("llama-bpe", ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>")),
     "qwen": ("qwen2", ("<|endoftext|>", "<|im_start|>", "<|im_end|>")),
+    # (llama.cpp sets attributes of <|endoftext|> by name for a model named phi3: it must exist)
+    "phi3": (None, ("<s>", "</s>", "<unk>", "<|endoftext|>", "<|end|>", "<|assistant|>")),
+    "gemma": (None, ("<bos>", "<eos>", "<unk>", "<start_of_turn>", "<end_of_turn>")),
+    "granite": ("refact", ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>")),
+    "olmo": ("dbrx", ("<|endoftext|>", "<|pad|>")),
 }
+ADDS_BOS = {"llama3", "gemma"}  # tokenizers whose prompts start with BOS
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,18 @@ class Case:
     llama3_rope: tuple[float, float, float, int] | None = None
     # rope.scaling.* metadata: ("linear" | "yarn", factor, original context length (yarn only))
     rope_scaling: tuple[str, float, int] | None = None
+    # Phi-3 LongRoPE: the original context length; rope_factors_long/short and the attn factor
+    # are made as the converter makes them from a long_factor / short_factor config
+    longrope_original_ctx: int = 0
+    sliding_window: int | None = None  # attention.sliding_window metadata, where the case has it
+    softcaps: tuple[float, float] | None = None  # gemma2: attention and final logit softcapping
+    # post-attention and post-FFN norm weights (gemma2): the post-norm makes an attention output
+    # that averages many positions as large as any other, a small weight keeps it from drowning
+    # the token's own signal (greedy would then repeat one token)
+    post_norm_gains: tuple[float, float] = (1.0, 1.0)
+    # granite's multipliers: embedding, attention, residual, logits (the converter's
+    # embedding_multiplier, attention_multiplier, residual_multiplier, logits_scaling)
+    multipliers: tuple[float, float, float, float] | None = None
     prompt_lengths: tuple[int, ...] = (24, 90)
     qk_gain: float = 1.5  # q and k projections: output rms / input rms
     qk_norm_gain: float = 1.6  # qwen3: the per-head norm weights (score scale after QK-norm)
@@ -156,6 +177,94 @@ CASES: dict[str, Case] = {
             write_head_dim=True,
             prompt_lengths=(30, 100),
         ),
+        Case(
+            "phi3",
+            "phi3",
+            "Phi-3.5 style: fused attn_qkv and gate+up ffn_up, LongRoPE factors with an original "
+            "context of 160 (llama.cpp's context, 132 rounded up to 256, is larger: the long "
+            "factors; the attn factor of a 4096 context), NeoX RoPE, tied embeddings (as "
+            "Phi-4-mini), a SentencePiece vocabulary; sliding_window 16, which llama.cpp does "
+            "not apply",
+            seed=6,
+            context_length=4096,
+            longrope_original_ctx=160,
+            sliding_window=16,
+            tokenizer="phi3",
+            prompt_lengths=(30, 100),
+        ),
+        Case(
+            "gemma2",
+            "gemma2",
+            "Gemma 2 style: a sliding-window layer (window 24) then a global one, post-attention "
+            "and post-FFN norms, GeGLU, embeddings scaled by sqrt(dim), q scaled by "
+            "1/sqrt(head_dim) before q.k, an attention softcap of 5 (the real 50 would barely "
+            "touch these scores) and the real final logit softcap of 30 on logits of ~20, tied "
+            "embeddings, a SentencePiece vocabulary without a space prefix",
+            seed=7,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=48,
+            context_length=8192,
+            rms_eps=1e-6,
+            write_head_dim=True,
+            sliding_window=24,
+            softcaps=(5.0, 30.0),
+            post_norm_gains=(0.3, 2.0),
+            # embeddings scaled by sqrt(dim) stay small beside the sub-blocks' outputs (else the
+            # tied head predicts the last token again); the output norm spreads logits to ~20
+            embd_std=0.03,
+            output_norm_gain=30.0,
+            tokenizer="gemma",
+            prompt_lengths=(30, 100),
+        ),
+        Case(
+            "granite",
+            "granite",
+            "Granite 3 style: embeddings times 12, attention scores times 1/head_dim (1/32) "
+            "instead of 1/sqrt(head_dim), sub-block outputs times 0.22 before the residual add, "
+            "logits divided by 8; llama (adjacent-pair) RoPE, an untied head",
+            seed=8,
+            tied_embeddings=False,
+            multipliers=(12.0, 0.03125, 0.22, 8.0),
+            qk_gain=3.0,  # scores of a few units under the small attention multiplier
+            tokenizer="granite",
+            embd_std=0.3,
+            output_norm_gain=30.0,  # logits of ~35 after the division by 8
+            prompt_lengths=(30, 100),
+        ),
+        Case(
+            "olmo2",
+            "olmo2",
+            "OLMo 2 style: no pre-norms, post-attention and post-FFN norms, q and k RMS-normed "
+            "across all heads (norm weights of 128 and 64) before NeoX RoPE, 4 heads over 2 KV "
+            "heads, an untied head",
+            seed=9,
+            tied_embeddings=False,
+            rms_eps=1e-6,
+            rope_theta=500000.0,
+            tokenizer="olmo",
+            embd_std=0.8,
+            output_norm_gain=1.0,
+            prompt_lengths=(30, 100),
+        ),
+        Case(
+            "smollm3",
+            "smollm3",
+            "SmolLM3 style: 4 layers, the 4th without RoPE (llama.cpp's n_no_rope_layer_step), "
+            "llama RoPE elsewhere, 4 heads of 16 over 2 KV heads on a 64 embedding, tied "
+            "embeddings",
+            seed=10,
+            n_layers=4,
+            dim=64,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=16,
+            ffn_dim=96,
+            context_length=65536,
+            rope_theta=5000000.0,
+            rms_eps=1e-6,
+            prompt_lengths=(30, 100),
+        ),
     )
 }
 
@@ -180,33 +289,76 @@ def _byte_chars() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
-def vocabulary(tokenizer: str) -> tuple[list[str], list[int], list[str], int, int]:
-    """(tokens, token types, merges, bos id, eos id): byte tokens, one merge per word prefix
-    (so every merge joins two tokens of the vocabulary), then the special tokens."""
-    byte_chars = _byte_chars()
-    tokens = list(byte_chars)
-    known = set(tokens)
-    merges = []
-    space = byte_chars[ord(" ")]
+@dataclass(frozen=True)
+class Vocabulary:
+    tokens: list[str]
+    types: list[int]
+    scores: list[float] | None  # SentencePiece only
+    merges: list[str] | None  # BPE only
+    bos_id: int
+    eos_id: int
+    first_special: int  # ids below are ordinary tokens
+
+    @property
+    def spm(self) -> bool:
+        return self.merges is None
+
+
+def _word_prefixes(space: str) -> list[str]:
+    """Every prefix (of two characters or more) of every word, with and without `space` before
+    it, in order of first appearance: each one joins two tokens of the vocabulary."""
+    pieces, known = [], set()
     for word in _WORDS:
         for spelled in (word, space + word):
             for end in range(2, len(spelled) + 1):
-                left, right = spelled[: end - 1], spelled[end - 1]
                 if spelled[:end] not in known:
-                    merges.append(f"{left} {right}")
-                    tokens.append(spelled[:end])
+                    pieces.append(spelled[:end])
                     known.add(spelled[:end])
-    types = [gguf.TokenType.NORMAL] * len(tokens)
-    _, specials = TOKENIZERS[tokenizer]
+    return pieces
+
+
+def vocabulary(tokenizer: str) -> Vocabulary:
+    """The tokenizer's vocabulary: base tokens, one merge (BPE) or piece (SentencePiece) per
+    word prefix, then the special tokens."""
+    pre, specials = TOKENIZERS[tokenizer]
+    if pre is None:  # SentencePiece: byte fallback, single characters, word pieces
+        tokens = [f"<0x{b:02X}>" for b in range(256)]
+        types = [gguf.TokenType.BYTE] * 256
+        chars = sorted({ch for word in _WORDS for ch in word} | {"▁"})
+        pieces = chars + _word_prefixes("▁")
+        tokens += pieces
+        types += [gguf.TokenType.NORMAL] * len(pieces)
+        # longer pieces score higher, so that words merge whole
+        scores = [0.0] * 256 + [-10.0 + 0.5 * len(p) - 1e-3 * i for i, p in enumerate(pieces)]
+        merges = None
+    else:
+        byte_chars = _byte_chars()
+        tokens, merges = list(byte_chars), []
+        for piece in _word_prefixes(byte_chars[ord(" ")]):
+            merges.append(f"{piece[:-1]} {piece[-1]}")
+            tokens.append(piece)
+        types = [gguf.TokenType.NORMAL] * len(tokens)
+        scores = None
     first_special = len(tokens)
     tokens += list(specials)
     types += [gguf.TokenType.CONTROL] * len(specials)
-    return tokens, [int(t) for t in types], merges, first_special, first_special + 1
+    if pre is None:
+        types[first_special + 2] = gguf.TokenType.UNKNOWN
+        scores += [0.0] * len(specials)
+    return Vocabulary(
+        tokens,
+        [int(t) for t in types],
+        scores,
+        merges,
+        first_special,
+        first_special + 1,
+        first_special,
+    )
 
 
 def n_normal_tokens(case: Case) -> int:
     """Ids below this are ordinary tokens (prompts are drawn from them)."""
-    return vocabulary(case.tokenizer)[3]
+    return vocabulary(case.tokenizer).first_special
 
 
 # ---- weights ----
@@ -237,7 +389,7 @@ def llama3_rope_freqs(
 def _weights(case: Case, rng: np.random.Generator) -> dict[str, tuple[str, np.ndarray]]:
     """name -> (GGML type name, float32 array in numpy order (n_out, n_in))."""
     c = case
-    n_vocab = len(vocabulary(c.tokenizer)[0])
+    n_vocab = len(vocabulary(c.tokenizer).tokens)
     q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
 
     def matrix(n_out, n_in, gain):
@@ -260,22 +412,66 @@ def _weights(case: Case, rng: np.random.Generator) -> dict[str, tuple[str, np.nd
             "F32",
             llama3_rope_freqs(c.head_dim, c.rope_theta, *c.llama3_rope),
         )
+    if c.longrope_original_ctx:
+        long, short = longrope_factors(c.head_dim // 2, rng)
+        tensors["rope_factors_long.weight"] = ("F32", long)
+        tensors["rope_factors_short.weight"] = ("F32", short)
     attn, ffn = c.types["attn"], c.types.get("ffn", c.types["attn"])
+    fused = c.arch == "phi3"  # Phi3MiniModel keeps qkv_proj and gate_up_proj whole
+    post_norms = c.arch in ("gemma2", "olmo2")
+    pre_norms = c.arch != "olmo2"
     for i in range(c.n_layers):
         p = f"blk.{i}."
-        tensors[p + "attn_norm.weight"] = ("F32", norm(c.dim))
-        tensors[p + "attn_q.weight"] = (attn, matrix(q_dim, c.dim, c.qk_gain))
-        tensors[p + "attn_k.weight"] = (attn, matrix(kv_dim, c.dim, c.qk_gain))
-        tensors[p + "attn_v.weight"] = (attn, matrix(kv_dim, c.dim, 1.0))
+        if pre_norms:
+            tensors[p + "attn_norm.weight"] = ("F32", norm(c.dim))
+        q = matrix(q_dim, c.dim, c.qk_gain)
+        k = matrix(kv_dim, c.dim, c.qk_gain)
+        v = matrix(kv_dim, c.dim, 1.0)
+        if fused:
+            tensors[p + "attn_qkv.weight"] = (attn, np.concatenate([q, k, v]))
+        else:
+            tensors[p + "attn_q.weight"] = (attn, q)
+            tensors[p + "attn_k.weight"] = (attn, k)
+            tensors[p + "attn_v.weight"] = (attn, v)
         tensors[p + "attn_output.weight"] = (attn, matrix(c.dim, q_dim, 1.0))
+        if c.arch == "olmo2":  # q and k normalized across heads
+            tensors[p + "attn_q_norm.weight"] = ("F32", norm(q_dim, 0.2, c.qk_norm_gain))
+            tensors[p + "attn_k_norm.weight"] = ("F32", norm(kv_dim, 0.2, c.qk_norm_gain))
+        if post_norms:
+            gain = c.post_norm_gains[0]
+            tensors[p + "post_attention_norm.weight"] = ("F32", norm(c.dim, 0.1 * gain, gain))
         if c.arch == "qwen3":
             tensors[p + "attn_q_norm.weight"] = ("F32", norm(c.head_dim, 0.2, c.qk_norm_gain))
             tensors[p + "attn_k_norm.weight"] = ("F32", norm(c.head_dim, 0.2, c.qk_norm_gain))
-        tensors[p + "ffn_norm.weight"] = ("F32", norm(c.dim))
-        tensors[p + "ffn_gate.weight"] = (ffn, matrix(c.ffn_dim, c.dim, 1.0))
-        tensors[p + "ffn_up.weight"] = (ffn, matrix(c.ffn_dim, c.dim, 1.0))
+        if pre_norms:
+            tensors[p + "ffn_norm.weight"] = ("F32", norm(c.dim))
+        gate = matrix(c.ffn_dim, c.dim, 1.0)
+        up = matrix(c.ffn_dim, c.dim, 1.0)
+        if fused:  # gate rows first, as HF's gate_up_proj.chunk(2) and ggml_swiglu split it
+            tensors[p + "ffn_up.weight"] = (ffn, np.concatenate([gate, up]))
+        else:
+            tensors[p + "ffn_gate.weight"] = (ffn, gate)
+            tensors[p + "ffn_up.weight"] = (ffn, up)
         tensors[p + "ffn_down.weight"] = (ffn, matrix(c.dim, c.ffn_dim, 1.0))
+        if post_norms:
+            gain = c.post_norm_gains[1]
+            tensors[p + "post_ffw_norm.weight"] = ("F32", norm(c.dim, 0.1 * gain, gain))
     return tensors
+
+
+def longrope_factors(n_pairs: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(long, short) float32[n_pairs]: LongRoPE's per-pair divisors of the angles, rising with
+    the pair's wavelength as Phi-3's do (long up to ~30, short up to ~2), with some noise."""
+    ramp = np.linspace(0.0, 1.0, n_pairs)
+    long = np.exp(ramp**2 * math.log(30.0)) * (1.0 + 0.05 * rng.standard_normal(n_pairs))
+    short = 1.0 + ramp**3 * (1.0 + 0.1 * rng.standard_normal(n_pairs))
+    return np.maximum(long, 1.0).astype(np.float32), np.maximum(short, 1.0).astype(np.float32)
+
+
+def longrope_attn_factor(context_length: int, original_ctx: int) -> float:
+    """The converter's Phi3MiniModel attn_factor for rope type longrope."""
+    scale = context_length / original_ctx
+    return math.sqrt(1 + math.log(scale) / math.log(original_ctx)) if scale > 1.0 else 1.0
 
 
 # ---- the file ----
@@ -285,7 +481,7 @@ def write_case(case: Case, path: str | Path, drop: tuple[str, ...] = ()) -> None
     """Write the case's GGUF file (tensors named in `drop` left out, for error tests)."""
     c = case
     rng = np.random.default_rng(c.seed)
-    tokens, token_types, merges, bos_id, eos_id = vocabulary(c.tokenizer)
+    vocab = vocabulary(c.tokenizer)
     tensors = _weights(c, rng)
     writer = gguf.GGUFWriter(str(path), c.arch)
     writer.add_name(c.name)
@@ -295,7 +491,8 @@ def write_case(case: Case, path: str | Path, drop: tuple[str, ...] = ()) -> None
     writer.add_block_count(c.n_layers)
     writer.add_head_count(c.n_heads)
     writer.add_head_count_kv(c.n_kv_heads)
-    writer.add_rope_freq_base(c.rope_theta)
+    if c.arch != "gemma2":  # Gemma2Model writes no rope_theta (llama.cpp's default, 10000)
+        writer.add_rope_freq_base(c.rope_theta)
     writer.add_layer_norm_rms_eps(c.rms_eps)
     if c.write_head_dim:
         writer.add_key_length(c.head_dim)
@@ -306,19 +503,28 @@ def write_case(case: Case, path: str | Path, drop: tuple[str, ...] = ()) -> None
         writer.add_rope_scaling_factor(factor)
         if kind == "yarn":
             writer.add_rope_scaling_orig_ctx_len(original_ctx)
-    if c.arch == "llama":  # LlamaModel.set_gguf_parameters
-        writer.add_vocab_size(len(tokens))
+    if c.arch in ("llama", "granite", "smollm3"):  # LlamaModel.set_gguf_parameters
+        writer.add_vocab_size(len(vocab.tokens))
         writer.add_rope_dimension_count(c.head_dim)
+    if c.multipliers is not None:  # GraniteModel.set_gguf_parameters
+        embedding, attention, residual, logits = c.multipliers
+        writer.add_attention_scale(attention)
+        writer.add_embedding_scale(embedding)
+        writer.add_residual_scale(residual)
+        writer.add_logit_scale(logits)
+    if c.arch == "phi3":  # Phi3MiniModel.set_gguf_parameters
+        writer.add_rope_scaling_orig_ctx_len(c.longrope_original_ctx or c.context_length)
+        writer.add_rope_dimension_count(c.head_dim)
+        if c.longrope_original_ctx:  # generate_extra_tensors, for a long_factor config
+            attn_factor = longrope_attn_factor(c.context_length, c.longrope_original_ctx)
+            writer.add_rope_scaling_attn_factors(attn_factor)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    pre, _ = TOKENIZERS[c.tokenizer]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(token_types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(bos_id)
-    writer.add_eos_token_id(eos_id)
-    writer.add_add_bos_token(c.tokenizer == "llama3")
+    if c.softcaps is not None:  # Gemma2Model.set_gguf_parameters
+        writer.add_attn_logit_softcapping(c.softcaps[0])
+        writer.add_final_logit_softcapping(c.softcaps[1])
+    if c.sliding_window is not None:
+        writer.add_sliding_window(c.sliding_window)
+    _write_vocabulary(writer, c.tokenizer, vocab)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for name, (type_name, array) in tensors.items():
         if name in drop:
@@ -337,20 +543,40 @@ def write_case(case: Case, path: str | Path, drop: tuple[str, ...] = ()) -> None
     writer.close()
 
 
+def _write_vocabulary(writer: gguf.GGUFWriter, tokenizer: str, vocab: Vocabulary) -> None:
+    """tokenizer.ggml.* as the converter's _set_vocab_gpt2 / _set_vocab_sentencepiece write it."""
+    pre, _ = TOKENIZERS[tokenizer]
+    writer.add_tokenizer_model("llama" if vocab.spm else "gpt2")
+    writer.add_tokenizer_pre(pre or "default")
+    writer.add_token_list(vocab.tokens)
+    if vocab.spm:
+        writer.add_token_scores(vocab.scores)
+    writer.add_token_types(vocab.types)
+    if not vocab.spm:
+        writer.add_token_merges(vocab.merges)
+    writer.add_bos_token_id(vocab.bos_id)
+    writer.add_eos_token_id(vocab.eos_id)
+    if vocab.spm:
+        writer.add_unk_token_id(vocab.first_special + 2)
+    writer.add_add_bos_token(tokenizer in ADDS_BOS)
+    if tokenizer == "gemma":  # GemmaModel / Gemma2Model.set_vocab
+        writer.add_add_space_prefix(False)
+
+
 def prompts(case: Case) -> list[list[int]]:
     """The case's fixed prompts: random ordinary tokens (after BOS where the family adds one)."""
     rng = np.random.default_rng(1000 + case.seed)
-    _, _, _, bos_id, _ = vocabulary(case.tokenizer)
+    bos_id = vocabulary(case.tokenizer).bos_id
     out = []
     for n in case.prompt_lengths:
         ids = rng.integers(0, n_normal_tokens(case), n).tolist()
-        out.append([bos_id, *ids[1:]] if case.tokenizer == "llama3" else ids)
+        out.append([bos_id, *ids[1:]] if case.tokenizer in ADDS_BOS else ids)
     return out
 
 
 def metadata_summary(case: Case) -> dict[str, Any]:
     """What the reference file records about the case (for a reader, not for the test)."""
-    return {
+    summary = {
         "arch": case.arch,
         "description": case.description,
         "shape": {
@@ -360,10 +586,19 @@ def metadata_summary(case: Case) -> dict[str, Any]:
             "n_kv_heads": case.n_kv_heads,
             "head_dim": case.head_dim,
             "ffn_dim": case.ffn_dim,
-            "n_vocab": len(vocabulary(case.tokenizer)[0]),
+            "n_vocab": len(vocabulary(case.tokenizer).tokens),
         },
         "types": dict(case.types),
         "rope_theta": case.rope_theta,
         "llama3_rope": case.llama3_rope,
         "rope_scaling": case.rope_scaling,
     }
+    # features only some cases have, recorded where set (the older references lack the keys)
+    extra = {
+        "longrope_original_ctx": case.longrope_original_ctx,
+        "sliding_window": case.sliding_window,
+        "softcaps": case.softcaps,
+        "multipliers": case.multipliers,
+    }
+    summary.update({k: v for k, v in extra.items() if v})
+    return summary

@@ -277,3 +277,155 @@ def test_unsupported_rope_scaling_is_one_error_line(tmp_path):
     case = dataclasses.replace(random_models.CASES["llama-yarn"], rope_scaling=("longrope", 4, 64))
     error = one_error_line(tmp_path, case)
     assert "unsupported RoPE scaling type 'longrope' (llama.rope.scaling.type)" in error
+
+
+# ---- the particulars of each family ----
+
+
+def worst_teacher_forced_diff(transformer, expected) -> float:
+    logits = teacher_forced_logits(transformer, expected)
+    return max(
+        np.abs(logits[step][top["top5_ids"]] - np.array(top["top5_logits"])).max()
+        for step, top in enumerate(expected["teacher_forced"])
+    )
+
+
+def factors(model, name: str) -> np.ndarray:
+    return model.gguf.tensors[name].data.view(np.float32).reshape(-1)
+
+
+def replaced(**fields):
+    """A variant that changes config fields."""
+    return lambda config: (dataclasses.replace(config, **fields), None)
+
+
+def short_factors(config):
+    def use_short(transformer, model):
+        transformer.rope_freqs = np.ascontiguousarray(factors(model, "rope_factors_short.weight"))
+
+    return config, use_short
+
+
+def without_post_attention_norms(config):
+    def drop(transformer, model):
+        for layer in transformer.layers:
+            layer.post_attn_norm = None
+
+    return config, drop
+
+
+# case -> variant -> config -> (config, None or a change to the transformer(transformer, model)):
+# each of a family's particulars undone, or done where llama.cpp does not
+FEATURE_VARIANTS = {
+    "phi3": {
+        "short factors": short_factors,
+        "no attn factor": replaced(rope_scaling=RopeScaling()),
+        "sliding window applied": replaced(layer_windows=(16, 16)),
+    },
+    "gemma2": {
+        "no attention softcap": replaced(attn_softcap=0.0),
+        "no final softcap": replaced(final_softcap=0.0),
+        "no sliding window": replaced(layer_windows=(0, 0)),
+        "window on the other layer": replaced(layer_windows=(0, 24)),
+    },
+    "granite": {
+        "no embedding scale": replaced(embed_scale=1.0),
+        "attention scale 1/sqrt(head_dim)": replaced(attn_scale=0.0),
+        "no residual scale": replaced(residual_scale=1.0),
+        "no logit scale": replaced(logit_scale=1.0),
+    },
+    "olmo2": {
+        "no q/k norm": replaced(qk_norm="none"),
+        "no post-attention norms": without_post_attention_norms,
+    },
+    "smollm3": {
+        "RoPE on every layer": replaced(layer_rope=()),
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "variant"),
+    [(name, variant) for name, variants in FEATURE_VARIANTS.items() for variant in variants],
+)
+def test_family_particulars_are_what_matches(name, variant):
+    """Each particular of a family undone (or, for phi3's window, done): the logits land at least
+    10 tolerances from llama.cpp's, so the tests above would catch a loader that missed it."""
+    ref = reference(name)
+    expected = ref["greedy"][-1]
+    model = load_model(FIXTURES / f"{name}.gguf", n_ctx=8, device="cpu")
+    try:
+        config, change = FEATURE_VARIANTS[name][variant](model.config)
+        n_ctx = len(expected["prompt_ids"]) + N_STEPS
+        transformer = Transformer(model.gguf, config, CPUBackend(), n_ctx)
+        if change is not None:
+            change(transformer, model)
+        worst = worst_teacher_forced_diff(transformer, expected)
+        assert worst > 10 * tolerance(ref), (name, variant, worst)
+    finally:
+        model.close()
+
+
+def test_phi3_factors_are_chosen_by_the_context_as_llama_cpp_does():
+    """rope_factors_long above the original context, short at or below it, the context rounded
+    up to a multiple of 256 first (llama.cpp's n_ctx_seq)."""
+    model = load_model(FIXTURES / "phi3.gguf", n_ctx=8, device="cpu")
+    try:
+        long = factors(model, "rope_factors_long.weight")
+        short = factors(model, "rope_factors_short.weight")
+        assert model.config.n_ctx_orig == 160
+        np.testing.assert_array_equal(model.transformer.rope_freqs, long)  # 8 -> 256 > 160
+        config = dataclasses.replace(model.config, n_ctx_orig=256)
+        for n_ctx, expected in ((200, short), (256, short), (257, long)):
+            transformer = Transformer(model.gguf, config, CPUBackend(), n_ctx)
+            np.testing.assert_array_equal(transformer.rope_freqs, expected)
+    finally:
+        model.close()
+
+
+def test_phi3_fused_matrices_are_views_of_the_map():
+    """Q/K/V and gate/up are row slices of attn_qkv and ffn_up, sharing their mapped bytes."""
+    model = load_model(FIXTURES / "phi3.gguf", n_ctx=8, device="cpu")
+    try:
+        c, tensors = model.config, model.gguf.tensors
+        layer = model.transformer.layers[1]
+        qkv, up = tensors["blk.1.attn_qkv.weight"].data, tensors["blk.1.ffn_up.weight"].data
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        for w, rows, source in (
+            (layer.wq, slice(0, q_dim), qkv),
+            (layer.wk, slice(q_dim, q_dim + kv_dim), qkv),
+            (layer.wv, slice(q_dim + kv_dim, q_dim + 2 * kv_dim), qkv),
+            (layer.w_gate, slice(0, c.ffn_dim), up),
+            (layer.w_up, slice(c.ffn_dim, 2 * c.ffn_dim), up),
+        ):
+            assert np.shares_memory(w.raw, source) and not w.raw.flags.owndata
+            np.testing.assert_array_equal(w.raw, source[rows])
+    finally:
+        model.close()
+
+
+def test_phi3_fused_matrix_that_does_not_fit_is_a_clear_error():
+    """A fused attn_qkv whose rows do not add up to the heads the metadata gives."""
+    model = load_model(FIXTURES / "phi3.gguf", n_ctx=8, device="cpu")
+    try:
+        config = dataclasses.replace(model.config, n_kv_heads=1)
+        with pytest.raises(
+            LocalLLMError, match=r"blk\.0\.attn_qkv\.weight has shape .* does not fit"
+        ):
+            Transformer(model.gguf, config, CPUBackend(), 8)
+    finally:
+        model.close()
+
+
+def test_olmo3_sliding_window_is_one_error_line(tmp_path):
+    """An olmo2 file with sliding-window layers (OLMo 3) is refused, not run wrong."""
+    case = dataclasses.replace(random_models.CASES["olmo2"], sliding_window=4096)
+    error = one_error_line(tmp_path, case)
+    assert "sliding-window layers (olmo2.attention.sliding_window" in error
+
+
+def test_granite_without_logit_scale_is_one_error_line(tmp_path):
+    """llama.cpp requires granite.logit_scale; so does localllm, naming the key."""
+    case = dataclasses.replace(random_models.CASES["granite"], multipliers=None)
+    error = one_error_line(tmp_path, case)
+    assert "lacks the metadata key 'granite.logit_scale'" in error

@@ -223,9 +223,13 @@ def test_cuda_rope_both_styles(neox):
 
 
 @needs_cuda
-@pytest.mark.parametrize(("window", "start_pos", "n_tokens"), [(0, 0, 5), (3, 0, 5), (4, 6, 2)])
-def test_cuda_attention_gqa_causal_windows(window, start_pos, n_tokens):
-    """4 query heads over 2 KV heads; a prefill from 0, a windowed one, a chunk after a cache."""
+@pytest.mark.parametrize(
+    ("window", "start_pos", "n_tokens", "softcap"),
+    [(0, 0, 5, 0.0), (3, 0, 5, 0.0), (4, 6, 2, 0.0), (4, 6, 2, 1.5)],
+)
+def test_cuda_attention_gqa_causal_windows(window, start_pos, n_tokens, softcap):
+    """4 query heads over 2 KV heads; a prefill from 0, a windowed one, a chunk after a cache,
+    the same with Gemma 2's softcap."""
     rng = np.random.default_rng(4)
     n_ctx, n_heads, n_kv_heads, head_dim = 12, 4, 2, 8
     q = rng.standard_normal((n_tokens, n_heads, head_dim)).astype(np.float32)
@@ -236,10 +240,11 @@ def test_cuda_attention_gqa_causal_windows(window, start_pos, n_tokens):
     expected = np.empty_like(q)
     cpu = CPUBackend(n_threads=1, llama_cpp_rounding=False)
     halves = (k_half.view(np.uint16), v_half.view(np.uint16))
-    cpu.attention(q.copy(), *halves, start_pos, window, 0.35, expected)
+    cpu.attention(q.copy(), *halves, start_pos, window, 0.35, softcap, expected)
     b = backend()
     out = b.zeros(q.shape)
-    b.attention(to_device(q), to_device(k_cache), to_device(v_cache), start_pos, window, 0.35, out)
+    dq, dk, dv = to_device(q), to_device(k_cache), to_device(v_cache)
+    b.attention(dq, dk, dv, start_pos, window, 0.35, softcap, out)
     np.testing.assert_allclose(b.to_host(out), expected, rtol=1e-5, atol=1e-6)
 
 

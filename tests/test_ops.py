@@ -98,7 +98,7 @@ def test_rope_tables_scaling_and_factors(kind):
         assert np.abs(cos - plain_cos).max() > 0.1
 
 
-def _attention_ref(q, k, v, start_pos, window, scale):
+def _attention_ref(q, k, v, start_pos, window, scale, softcap=0.0):
     n_tokens, n_heads, head_dim = q.shape
     group = n_heads // k.shape[1]
     out = np.zeros_like(q, dtype=np.float64)
@@ -108,6 +108,8 @@ def _attention_ref(q, k, v, start_pos, window, scale):
         for h in range(n_heads):
             keys = k[first : pos + 1, h // group].astype(np.float64)
             s = keys @ q[t, h] * scale
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
             p = np.exp(s - s.max())
             p /= p.sum()
             out[t, h] = p @ v[first : pos + 1, h // group]
@@ -116,11 +118,12 @@ def _attention_ref(q, k, v, start_pos, window, scale):
 
 @pytest.mark.parametrize("half_bits", [True, False], ids=["f16-cache", "f32-cache"])
 @pytest.mark.parametrize("heads_per_job", [1, 3])
-@pytest.mark.parametrize("window", [0, 3])
-def test_attention_gqa_causal_window(window, heads_per_job, half_bits):
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (3, 0.0), (0, 2.0), (3, 2.0)])
+def test_attention_gqa_causal_window(window, softcap, heads_per_job, half_bits):
+    """GQA, causal, windowed; with softcap (Gemma 2) scores of ~3 units are capped near 2."""
     n_ctx, n_heads, n_kv, head_dim, start, n = 16, 6, 2, 8, 5, 4
-    q = rng.standard_normal((n, n_heads, head_dim)).astype(np.float32)
-    # The cache holds half bits; the reference takes the same halves.
+    q = rng.standard_normal((n, n_heads, head_dim)).astype(np.float32) * 3
+    # The cache holds half bits (or float32 in exact mode); the reference takes the same halves.
     k = rng.standard_normal((n_ctx, n_kv, head_dim)).astype(np.float16)
     v = rng.standard_normal((n_ctx, n_kv, head_dim)).astype(np.float16)
     out = np.empty_like(q)
@@ -132,10 +135,14 @@ def test_attention_gqa_causal_window(window, heads_per_job, half_bits):
         k_cache, v_cache = k.view(np.uint16), v.view(np.uint16)
     else:
         k_cache, v_cache = k.astype(np.float32), v.astype(np.float32)
-    args = (start, window, np.float32(scale), False, heads_per_job, scores, row, out)
+    cap = np.float32(softcap)
+    args = (start, window, np.float32(scale), cap, False, heads_per_job, scores, row, out)
     ops.attention(q, k_cache, v_cache, *args)
-    expected = _attention_ref(q, k.astype(np.float32), v.astype(np.float32), start, window, scale)
+    k32, v32 = k.astype(np.float32), v.astype(np.float32)
+    expected = _attention_ref(q, k32, v32, start, window, scale, softcap)
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
+    if softcap:  # and the cap changed the result
+        assert np.abs(expected - _attention_ref(q, k32, v32, start, window, scale)).max() > 0.05
 
 
 def test_heads_per_job_keeps_every_thread_busy():

@@ -186,7 +186,9 @@ class CUDABackend:
         cos, sin = ops.rope_tables(positions, rope_dim, theta_base, scaling, freq_factors)
         return cuda.to_device(cos), cuda.to_device(sin)
 
-    def attention(self, q, k_cache, v_cache, start_pos: int, window: int, scale: float, out):
+    def attention(
+        self, q, k_cache, v_cache, start_pos: int, window: int, scale: float, softcap: float, out
+    ):
         """Causal GQA attention over the cache; see kernels.attention."""
         n_tokens, n_heads, _ = q.shape
         n_jobs, n_keys = n_tokens * n_heads, start_pos + n_tokens
@@ -196,7 +198,15 @@ class CUDABackend:
             shape = (max(n_jobs, old[0]), max(k_cache.shape[0], old[1]))
             self._scores = cuda.device_array(shape, dtype=np.float32)
         kernels.attention[(n_heads, n_tokens), self.threads, 0, 4 * self.threads](
-            q, k_cache, v_cache, start_pos, window, np.float32(scale), self._scores, out
+            q,
+            k_cache,
+            v_cache,
+            start_pos,
+            window,
+            np.float32(scale),
+            np.float32(softcap),
+            self._scores,
+            out,
         )
         return out
 

@@ -446,12 +446,13 @@ def rope(x, cos, sin, neox):
 
 
 @cuda.jit(cache=True)
-def attention(q, k_cache, v_cache, start_pos, window, scale, scores, out):
+def attention(q, k_cache, v_cache, start_pos, window, scale, softcap, scores, out):
     """Causal attention with grouped K/V heads and an optional sliding window, softmax inside.
 
     q, out: float32[n_tokens, n_heads, head_dim] for positions start_pos + t;
     k_cache, v_cache: float32[n_ctx, n_kv_heads, head_dim], filled up to start_pos + n_tokens;
     window > 0: key j is seen from position i only when i - j < window.
+    softcap > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2).
     scores: float32[>= n_tokens * n_heads, >= start_pos + n_tokens] scratch, one row per job.
 
     Threads: one block per (head, token) (grid x, y). Its threads split the keys for the scores
@@ -474,6 +475,8 @@ def attention(q, k_cache, v_cache, start_pos, window, scale, scores, out):
         for d in range(head_dim):
             s += q[t, h, d] * k_cache[j, kv, d]
         s *= scale
+        if softcap > 0:
+            s = softcap * np.float32(math.tanh(s * (np.float32(1.0) / softcap)))
         scores[row, j] = s
         best = max(best, s)
     partial[tid] = best

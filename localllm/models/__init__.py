@@ -12,8 +12,17 @@ from localllm import support
 from localllm.errors import LocalLLMError
 from localllm.gguf import GGUFFile, read_gguf
 from localllm.models.config import ModelConfig
-from localllm.models.gemma3 import gemma3_config
-from localllm.models.llama import llama_config, mistral_config, qwen2_config, qwen3_config
+from localllm.models.gemma import gemma2_config, gemma3_config
+from localllm.models.llama import (
+    granite_config,
+    llama_config,
+    mistral_config,
+    qwen2_config,
+    qwen3_config,
+    smollm3_config,
+)
+from localllm.models.olmo2 import olmo2_config
+from localllm.models.phi3 import phi3_config
 from localllm.models.transformer import Transformer
 from localllm.tokenizer import Tokenizer
 
@@ -23,7 +32,12 @@ ARCHITECTURES: dict[str, Callable[[Mapping[str, Any], int], ModelConfig]] = {
     "mistral": mistral_config,
     "qwen2": qwen2_config,
     "qwen3": qwen3_config,
+    "gemma2": gemma2_config,
     "gemma3": gemma3_config,
+    "phi3": phi3_config,
+    "granite": granite_config,
+    "olmo2": olmo2_config,
+    "smollm3": smollm3_config,
 }
 
 DEFAULT_CTX = 4096

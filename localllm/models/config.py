@@ -36,16 +36,35 @@ class ModelConfig:
     activation: str = "silu"  # "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation)
     embed_scale: float = 1.0  # token embeddings are multiplied by this (Gemma: sqrt(dim))
     attn_scale: float = 0.0  # 0 means 1 / sqrt(head_dim)
-    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (attn_q_norm, attn_k_norm)
+    # q is multiplied by the attention scale before q.k, rather than the scores after (llama.cpp
+    # scales Qcur so for phi3 and gemma2; the f16 rounding of q then comes after the scale)
+    scale_q: bool = False
+    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before the softmax (gemma2)
+    final_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (gemma2)
+    # rope.scaling.original_context_length (default: the training context): LongRoPE uses its
+    # long factors when the context is larger
+    n_ctx_orig: int = 0
+    # RMSNorm of q and k before RoPE (attn_q_norm, attn_k_norm): "head" normalizes each head
+    # (qwen3, gemma3), "all" the whole q and k of a token across its heads (olmo2)
+    qk_norm: str = "none"
+    pre_norm: bool = True  # attn_norm / ffn_norm before each sub-block (olmo2 has none)
+    residual_scale: float = 1.0  # sub-block outputs are multiplied by it before the add (granite)
+    logit_scale: float = 1.0  # logits are divided by it (granite)
     # Per layer: attention window (0 = global) and RoPE base; empty means global / rope_theta.
     layer_windows: tuple[int, ...] = field(default_factory=tuple)
     layer_rope_theta: tuple[float, ...] = field(default_factory=tuple)
+    # Per layer: whether q and k are rotated (smollm3 leaves every 4th layer unrotated); empty
+    # means every layer
+    layer_rope: tuple[bool, ...] = field(default_factory=tuple)
 
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
 
     def theta(self, layer: int) -> float:
         return self.layer_rope_theta[layer] if self.layer_rope_theta else self.rope_theta
+
+    def rotates(self, layer: int) -> bool:
+        return self.layer_rope[layer] if self.layer_rope else True
 
 
 def meta(metadata: Mapping[str, Any], key: str, default: Any = None) -> Any:
@@ -94,6 +113,7 @@ def base_config(
         rope_dim=int_meta(metadata, f"{arch}.rope.dimension_count", head_dim),
         rope_neox=False,
         rope_scaling=rope_scaling(metadata, arch, n_ctx_train),
+        n_ctx_orig=int_meta(metadata, f"{arch}.rope.scaling.original_context_length", n_ctx_train),
     )
     values.update(overrides)
     return ModelConfig(**values)

@@ -1,18 +1,29 @@
-"""Llama-family architectures: llama (Llama 2/3, Mistral, TinyLlama, SmolLM2), qwen2, qwen3.
+"""Llama-family architectures: llama (Llama 2/3, Mistral, TinyLlama, SmolLM2), qwen2, qwen3,
+granite, smollm3.
 
 They share one block: pre-RMSNorm, GQA attention with RoPE, SwiGLU MLP. Qwen2 adds Q/K/V
 biases, which the transformer picks up from the tensors present, and uses NeoX-style RoPE.
 Qwen3 drops the biases and normalizes each head of q and k (RMSNorm over head_dim) before RoPE.
 Llama 3.1+ files carry rope_freqs.weight (the transformer applies it when present); linear and
 YaRN scaling come from the rope.scaling.* metadata (config.rope_scaling).
+
+Granite (IBM Granite 3.x) scales four things, as llama.cpp's granite graph does: embeddings by
+`embedding_scale`, the attention scores by `attention.scale` (instead of 1 / sqrt(head_dim)),
+each sub-block's output by `residual_scale` before it joins the residual stream, and the logits
+by 1 / `logit_scale`; `rope.scaling.finetuned` false turns RoPE off. SmolLM3 leaves q and k
+unrotated in every 4th layer (layers 3, 7, ...): llama.cpp's n_no_rope_layer_step, a constant
+(no metadata key holds it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from localllm.models.config import ModelConfig, base_config
+from localllm.models.config import ModelConfig, base_config, meta
+
+SMOLLM3_NO_ROPE_LAYER_STEP = 4
 
 
 def llama_config(metadata: Mapping[str, Any], vocab_size: int) -> ModelConfig:
@@ -28,4 +39,29 @@ def qwen2_config(metadata: Mapping[str, Any], vocab_size: int) -> ModelConfig:
 
 
 def qwen3_config(metadata: Mapping[str, Any], vocab_size: int) -> ModelConfig:
-    return base_config(metadata, "qwen3", vocab_size, rope_neox=True, qk_norm=True)
+    return base_config(metadata, "qwen3", vocab_size, rope_neox=True, qk_norm="head")
+
+
+def granite_config(metadata: Mapping[str, Any], vocab_size: int) -> ModelConfig:
+    config = base_config(metadata, "granite", vocab_size, rope_neox=False)
+
+    def scale(key: str) -> float:  # 0 or absent: llama.cpp leaves that scaling out
+        return float(metadata.get(f"granite.{key}", 0.0)) or 1.0
+
+    rope = bool(metadata.get("granite.rope.scaling.finetuned", True))
+    return dataclasses.replace(
+        config,
+        embed_scale=scale("embedding_scale"),
+        attn_scale=float(metadata.get("granite.attention.scale", 0.0)),
+        residual_scale=scale("residual_scale"),
+        logit_scale=float(meta(metadata, "granite.logit_scale")) or 1.0,
+        layer_rope=() if rope else (False,) * config.n_layers,
+    )
+
+
+def smollm3_config(metadata: Mapping[str, Any], vocab_size: int) -> ModelConfig:
+    config = base_config(metadata, "smollm3", vocab_size, rope_neox=False)
+    step = SMOLLM3_NO_ROPE_LAYER_STEP
+    return dataclasses.replace(
+        config, layer_rope=tuple((i + 1) % step != 0 for i in range(config.n_layers))
+    )

@@ -1,9 +1,12 @@
 """The decoder-only transformer every supported architecture runs on, driven by ModelConfig.
 
 Optional pieces are chosen by the tensors the file holds: Q/K/V biases (qwen2), post-norms
-(gemma3), RoPE frequency factors (rope_freqs, Llama 3.1+), a separate output matrix (else the
-embedding is tied); QK-norm (gemma3, qwen3) by the config. All buffers are allocated here, once;
-`forward` only fills them.
+(gemma3), RoPE frequency factors (rope_freqs, Llama 3.1+; LongRoPE's rope_factors_long/short,
+Phi-3), fused Q/K/V and gate/up matrices (Phi-3: split into row views of the one mapped tensor),
+a separate output matrix (else the embedding is tied). By the config: QK-norm per head (gemma3,
+qwen3) or across heads (olmo2), no pre-norms (olmo2), scaled residuals and logits (granite),
+softcaps (gemma2), layers without RoPE (smollm3). All buffers are allocated here, once; `forward`
+only fills them.
 """
 
 from __future__ import annotations
@@ -23,20 +26,20 @@ from localllm.models.config import ModelConfig
 
 @dataclass
 class Layer:
-    attn_norm: np.ndarray  # float32[dim]
+    attn_norm: np.ndarray | None  # float32[dim]; None without pre-norms (olmo2)
     wq: object
     wk: object
     wv: object
     wo: object
-    ffn_norm: np.ndarray  # float32[dim]
+    ffn_norm: np.ndarray | None  # float32[dim]
     w_gate: object
     w_up: object
     w_down: object
     bq: np.ndarray | None = None  # float32[n_heads * head_dim]
     bk: np.ndarray | None = None  # float32[n_kv_heads * head_dim]
     bv: np.ndarray | None = None
-    q_norm: np.ndarray | None = None  # float32[head_dim]
-    k_norm: np.ndarray | None = None
+    q_norm: np.ndarray | None = None  # float32[head_dim], or [n_heads * head_dim] across heads
+    k_norm: np.ndarray | None = None  # float32[head_dim], or [n_kv_heads * head_dim]
     post_attn_norm: np.ndarray | None = None  # float32[dim]
     post_ffn_norm: np.ndarray | None = None
 
@@ -73,7 +76,7 @@ class Transformer:
         out = self._tensors.get("output.weight")
         self.output = b.weight(out) if out is not None else self.token_embd
         self.layers = [self._layer(i) for i in range(config.n_layers)]
-        self.rope_freqs = self._rope_freqs()  # host float32[rope_dim // 2] or None
+        self.rope_freqs = self._rope_freqs(n_ctx)  # host float32[rope_dim // 2] or None
         self._check_shapes()
         self.scratch = Scratch(config, n_batch, backend.zeros)
         self.cache = self.new_cache(n_ctx)
@@ -90,32 +93,74 @@ class Transformer:
         tensor = self._tensors.get(name)
         return None if tensor is None else self.backend.vector(tensor)
 
-    def _rope_freqs(self) -> np.ndarray | None:
-        """rope_freqs.weight, the per-pair divisors of the RoPE angles that Llama 3.1+'s files
-        carry (the converter's llama3 scaling); the tables are made on the host."""
-        tensor = self._tensors.get("rope_freqs.weight")
+    def _rope_freqs(self, n_ctx: int) -> np.ndarray | None:
+        """The per-pair divisors of the RoPE angles, made into tables on the host: Llama 3.1+'s
+        rope_freqs.weight (the converter's llama3 scaling), or LongRoPE's (Phi-3) factors, chosen
+        as llama.cpp's get_rope_factors chooses them: rope_factors_long when the context is
+        larger than the original one, else rope_factors_short. The context is llama.cpp's, the
+        size asked for rounded up to a multiple of 256 (its n_ctx_seq)."""
+        name = "rope_freqs.weight"
+        if name not in self._tensors and "rope_factors_long.weight" in self._tensors:
+            n_ctx_seq = -(-n_ctx // 256) * 256
+            long = n_ctx_seq > self.config.n_ctx_orig
+            name = "rope_factors_long.weight" if long else "rope_factors_short.weight"
+        tensor = self._tensors.get(name)
         if tensor is None:
             return None
         n_pairs = self.config.rope_dim // 2
         if tensor.ggml_type != 0 or tensor.data.nbytes != 4 * n_pairs:
             raise LocalLLMError(
-                f"tensor rope_freqs.weight should be {n_pairs} F32 values (rope_dim / 2), "
+                f"tensor {name} should be {n_pairs} F32 values (rope_dim / 2), "
                 f"is {tensor.type_name} {tensor.shape}; the file is inconsistent"
             )
         return np.ascontiguousarray(tensor.data.view(np.float32).reshape(-1))
 
+    def _split(self, name: str, sizes: tuple[int, ...], parts: tuple[str, ...]) -> list:
+        """The weights of a fused matrix's consecutive row blocks of `sizes` rows, each a view."""
+        fused = self._tensor(name)
+        if len(fused.shape) != 2 or fused.shape[0] != sum(sizes):
+            raise LocalLLMError(
+                f"tensor {name} has shape {fused.shape}, which does not fit the model's "
+                f"metadata ({' + '.join(map(str, sizes))} rows); the file is inconsistent"
+            )
+        starts = np.cumsum((0, *sizes))
+        return [
+            self.backend.weight(fused.rows(int(start), int(start + size), f"{name}[{part}]"))
+            for start, size, part in zip(starts, sizes, parts, strict=False)
+        ]
+
+    def _qkv(self, p: str) -> list:
+        """wq, wk, wv: separate tensors, or row views of a fused attn_qkv (Phi-3)."""
+        if p + "attn_qkv.weight" not in self._tensors:
+            return [self.backend.weight(self._tensor(p + f"attn_{x}.weight")) for x in "qkv"]
+        c = self.config
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        return self._split(p + "attn_qkv.weight", (q_dim, kv_dim, kv_dim), ("q", "k", "v"))
+
+    def _gate_up(self, p: str) -> list:
+        """w_gate, w_up: separate tensors, or the two halves of an ffn_up with no ffn_gate
+        (Phi-3's gate_up_proj: gate rows first, as ggml_swiglu splits it)."""
+        n = self.config.ffn_dim
+        up = self._tensor(p + "ffn_up.weight")
+        if p + "ffn_gate.weight" not in self._tensors and up.shape[0] == 2 * n:
+            return self._split(p + "ffn_up.weight", (n, n), ("gate", "up"))
+        return [self.backend.weight(self._tensor(p + "ffn_gate.weight")), self.backend.weight(up)]
+
     def _layer(self, i: int) -> Layer:
         b, p = self.backend, f"blk.{i}."
-        qk_norm = self.config.qk_norm
+        c = self.config
+        qk_norm, pre_norm = c.qk_norm != "none", c.pre_norm
+        wq, wk, wv = self._qkv(p)
+        w_gate, w_up = self._gate_up(p)
         return Layer(
-            attn_norm=b.vector(self._tensor(p + "attn_norm.weight")),
-            wq=b.weight(self._tensor(p + "attn_q.weight")),
-            wk=b.weight(self._tensor(p + "attn_k.weight")),
-            wv=b.weight(self._tensor(p + "attn_v.weight")),
+            attn_norm=b.vector(self._tensor(p + "attn_norm.weight")) if pre_norm else None,
+            wq=wq,
+            wk=wk,
+            wv=wv,
             wo=b.weight(self._tensor(p + "attn_output.weight")),
-            ffn_norm=b.vector(self._tensor(p + "ffn_norm.weight")),
-            w_gate=b.weight(self._tensor(p + "ffn_gate.weight")),
-            w_up=b.weight(self._tensor(p + "ffn_up.weight")),
+            ffn_norm=b.vector(self._tensor(p + "ffn_norm.weight")) if pre_norm else None,
+            w_gate=w_gate,
+            w_up=w_up,
             w_down=b.weight(self._tensor(p + "ffn_down.weight")),
             bq=self._optional_vector(p + "attn_q.bias"),
             bk=self._optional_vector(p + "attn_k.bias"),
@@ -147,6 +192,16 @@ class Transformer:
                     f"tensor {w.name} has shape ({w.n_rows}, {w.n_cols}), which does not fit the "
                     f"model's metadata; the file is inconsistent"
                 )
+        if c.qk_norm != "none":
+            across = c.qk_norm == "all"
+            sizes = (q_dim, kv_dim) if across else (c.head_dim, c.head_dim)
+            for i, layer in enumerate(self.layers):
+                for name, norm, size in zip(("q", "k"), (layer.q_norm, layer.k_norm), sizes):
+                    if norm.shape[0] != size:
+                        raise LocalLLMError(
+                            f"tensor blk.{i}.attn_{name}_norm.weight has {norm.shape[0]} values, "
+                            f"not the {size} that {c.arch} normalizes; the file is inconsistent"
+                        )
         if self.token_embd.n_rows < c.vocab_size:
             raise LocalLLMError(f"token_embd.weight has fewer rows than the {c.vocab_size} tokens")
 
@@ -212,7 +267,13 @@ class Transformer:
         b, c, s = self.backend, self.config, self.scratch
         n = end - first
         h = b.rmsnorm(s.x[first:end], self.output_norm, c.rms_eps, s.h[:n])
-        return b.to_host(b.linear(h, self.output, s.logits[:n]))
+        logits = b.to_host(b.linear(h, self.output, s.logits[:n]))
+        if c.logit_scale != 1.0:  # as ggml_scale by 1 / logit_scale
+            logits *= np.float32(1.0) / np.float32(c.logit_scale)
+        if c.final_softcap:  # as ggml: scale by 1 / cap, tanh, scale by cap
+            cap = np.float32(c.final_softcap)
+            logits = np.tanh(logits * (np.float32(1.0) / cap)) * cap
+        return logits
 
     def _forward_chunk(
         self, token_ids: np.ndarray, start_pos: int, cache: KVCache, interrupt=None
@@ -237,7 +298,7 @@ class Transformer:
                 tables[key] = b.rope_tables(
                     positions, c.rope_dim, c.theta(i), scaling, self.rope_freqs
                 )
-            cos, sin = tables[key]
+            cos, sin = tables[key] if c.rotates(i) else (None, None)
             k_cache, v_cache = cache.k[i], cache.v[i]
             self._attention_block(
                 layer, x, k_cache, v_cache, start_pos, cos, sin, window, attn_scale
@@ -249,7 +310,7 @@ class Transformer:
     ) -> None:
         b, c, s = self.backend, self.config, self.scratch
         n = x.shape[0]
-        h = b.rmsnorm(x, layer.attn_norm, c.rms_eps, s.h[:n])
+        h = x if layer.attn_norm is None else b.rmsnorm(x, layer.attn_norm, c.rms_eps, s.h[:n])
         q, k, v = b.linear_many(h, (layer.wq, layer.wk, layer.wv), (s.q[:n], s.k[:n], s.v[:n]))
         if layer.bq is not None:
             b.add_bias(q, layer.bq)
@@ -257,23 +318,32 @@ class Transformer:
             b.add_bias(v, layer.bv)
         q3 = q.reshape(n, c.n_heads, c.head_dim)
         k3 = k.reshape(n, c.n_kv_heads, c.head_dim)
-        if layer.q_norm is not None:
+        if c.qk_norm == "head":
             b.rmsnorm_heads(q3, layer.q_norm, c.rms_eps)
             b.rmsnorm_heads(k3, layer.k_norm, c.rms_eps)
-        b.rope(q3, cos, sin, c.rope_neox)
-        b.rope(k3, cos, sin, c.rope_neox)
+        elif c.qk_norm == "all":
+            b.rmsnorm(q, layer.q_norm, c.rms_eps, q)
+            b.rmsnorm(k, layer.k_norm, c.rms_eps, k)
+        if cos is not None:
+            b.rope(q3, cos, sin, c.rope_neox)
+            b.rope(k3, cos, sin, c.rope_neox)
         b.write_kv(k_cache, v_cache, start_pos, k3, v.reshape(n, c.n_kv_heads, c.head_dim))
+        if c.scale_q:
+            b.scale(q, attn_scale)
+            attn_scale = 1.0
         attn = s.attn[:n].reshape(n, c.n_heads, c.head_dim)
-        b.attention(q3, k_cache, v_cache, start_pos, window, attn_scale, attn)
+        b.attention(q3, k_cache, v_cache, start_pos, window, attn_scale, c.attn_softcap, attn)
         o = b.linear(s.attn[:n], layer.wo, s.o[:n])
         if layer.post_attn_norm is not None:
             b.rmsnorm(o, layer.post_attn_norm, c.rms_eps, o)
+        if c.residual_scale != 1.0:
+            b.scale(o, c.residual_scale)
         b.add(x, o)
 
     def _ffn_block(self, layer: Layer, x) -> None:
         b, c, s = self.backend, self.config, self.scratch
         n = x.shape[0]
-        h = b.rmsnorm(x, layer.ffn_norm, c.rms_eps, s.h[:n])
+        h = x if layer.ffn_norm is None else b.rmsnorm(x, layer.ffn_norm, c.rms_eps, s.h[:n])
         gate, up = b.linear_many(h, (layer.w_gate, layer.w_up), (s.gate[:n], s.up[:n]))
         if c.activation == "gelu":
             b.gelu_mul(gate, up)
@@ -282,4 +352,6 @@ class Transformer:
         o = b.linear(gate, layer.w_down, s.o[:n])
         if layer.post_ffn_norm is not None:
             b.rmsnorm(o, layer.post_ffn_norm, c.rms_eps, o)
+        if c.residual_scale != 1.0:
+            b.scale(o, c.residual_scale)
         b.add(x, o)
