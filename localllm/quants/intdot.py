@@ -93,6 +93,21 @@ def _splat(vec_type, value):
 SIGNED = -1  # the `offset` of a chunk of int8 weights (Q8_0)
 
 
+class BlockEnd(tuple):
+    """Yielded by a block writer after chunks whose scales are integers (i32, or <8 x i32> per
+    lane): the block's integer sum times `scale` (float, the super-block's d) and the activation
+    scale of `chunk` (its first) goes into the float accumulator. `minimums`, if given, is an
+    <8 x float> of the 8 chunks' minimums, each times its chunk's activation sum. Five fields,
+    like a chunk."""
+
+    def __new__(cls, chunk, scale, minimums=None):
+        return super().__new__(cls, (chunk, None, None, scale, minimums))
+
+    chunk = property(lambda self: self[0])
+    scale = property(lambda self: self[3])
+    minimums = property(lambda self: self[4])
+
+
 class _Emitter:
     """IR helpers for the dot products of a few weight rows with one activation vector.
 
@@ -108,6 +123,10 @@ class _Emitter:
         ]
         self.accm = [
             cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(n_rows)
+        ]
+        # the integer sums of a super-block whose chunks have integer scales (see BlockEnd)
+        self.iacc = [
+            cgutils.alloca_once_value(builder, ir.Constant(_V8I32, None)) for _ in range(n_rows)
         ]
 
     # -- loads from a weight block (byte offsets)
@@ -175,6 +194,9 @@ class _Emitter:
         int8 weights themselves."""
         b = self.b
         c, u, offset, scale, minimum = chunk
+        if isinstance(chunk, BlockEnd):
+            self.end_block(row, chunk)
+            return
         x = self.load(self.xq, b.mul(c, ir.Constant(c.type, 32)), _V8I32)
         init = ir.Constant(_V8I32, None)
         if offset == SIGNED and INSTRUCTION_SET == "avx2":
@@ -189,12 +211,23 @@ class _Emitter:
                 init = b.mul(self.lane_sums(c), _splat(_V8I32, -offset))
             isum = self.dot(init, u, b.bitcast(x, _V32I8))
         dx = b.load(b.gep(self.xd, [c]))
-        if isinstance(scale.type, ir.VectorType):
+        if isinstance(scale.type, ir.IntType) or scale.type == _V8I32:
+            # an integer scale (k-quants' sub-block scales): into the block's integer sum, which
+            # end_block converts to float once (ggml's order: exact integers, one rounding)
+            if isinstance(scale.type, ir.IntType):
+                scale = b.shuffle_vector(
+                    b.insert_element(ir.Constant(_V8I32, None), scale, ir.Constant(_I32, 0)),
+                    ir.Constant(_V8I32, None),
+                    ir.Constant(_V8I32, [0] * 8),
+                )
+            b.store(b.add(b.load(self.iacc[row]), b.mul(isum, scale)), self.iacc[row])
+        elif isinstance(scale.type, ir.VectorType):
             scale = b.fmul(scale, self.splat8(dx))
         else:
             scale = self.splat8(b.fmul(scale, dx))
-        prod = b.fmul(b.sitofp(isum, _V8F32), scale, flags=("contract",))
-        b.store(b.fadd(b.load(self.acc[row]), prod, flags=("contract",)), self.acc[row])
+        if scale.type == _V8F32:
+            prod = b.fmul(b.sitofp(isum, _V8F32), scale, flags=("contract",))
+            b.store(b.fadd(b.load(self.acc[row]), prod, flags=("contract",)), self.acc[row])
         if minimum is None:
             return
         if isinstance(minimum.type, ir.VectorType):  # per lane: + minimum * (its 4 activations)
@@ -204,6 +237,19 @@ class _Emitter:
         else:  # + minimum * (sum of the chunk's activations)
             term = b.fmul(minimum, b.load(b.gep(self.xs, [c])))
             b.store(b.fadd(b.load(self.accm[row]), term), self.accm[row])
+
+    def end_block(self, row, end):
+        """acc += d * dx * (the block's integer sum), then the integer sum starts again."""
+        b = self.b
+        dx = b.load(b.gep(self.xd, [end.chunk]))
+        total = b.sitofp(b.load(self.iacc[row]), _V8F32)
+        prod = b.fmul(total, self.splat8(b.fmul(end.scale, dx)), flags=("contract",))
+        acc = b.fadd(b.load(self.acc[row]), prod, flags=("contract",))
+        if end.minimums is not None:  # lane k: chunk k's minimum times its activation sum
+            sums = b.load(b.bitcast(b.gep(self.xs, [end.chunk]), _V8F32.as_pointer()), align=4)
+            acc = b.fadd(acc, b.fmul(end.minimums, sums), flags=("contract",))
+        b.store(acc, self.acc[row])
+        b.store(ir.Constant(_V8I32, None), self.iacc[row])
 
     def lane_sums(self, c):
         """<8 x i32>: the sums of the 4 activation quants of each lane of chunk c."""
@@ -315,25 +361,36 @@ def _q8_0(e, blk, c):
 # ---- k-quants: 256-weight super-blocks = 8 chunks
 
 
-def _scale_min_k4(e, blk, j):
-    """(scale, min) of sub-block j from the 12 packed bytes at offset 4 (ggml's
-    get_scale_min_k4), as float."""
-    b, s = e.b, lambda i: e.byte(blk, 4 + i)
-    c63, c15 = ir.Constant(_I32, 63), ir.Constant(_I32, 15)
-    if j < 4:
-        sc, mn = b.and_(s(j), c63), b.and_(s(j + 4), c63)
-    else:
-        hi_sc = b.shl(b.lshr(s(j - 4), ir.Constant(_I32, 6)), ir.Constant(_I32, 4))
-        hi_mn = b.shl(b.lshr(s(j), ir.Constant(_I32, 6)), ir.Constant(_I32, 4))
-        sc = b.or_(b.and_(s(j + 4), c15), hi_sc)
-        mn = b.or_(b.lshr(s(j + 4), ir.Constant(_I32, 4)), hi_mn)
-    return b.uitofp(sc, _F32), b.uitofp(mn, _F32)
+def _scales_mins_k4(e, blk):
+    """(scales, mins): <8 x i32> each, the 6-bit scales and mins of the 8 sub-blocks from the 12
+    packed bytes at offset 4, unpacked with 32-bit masks as ggml's vec_dot_q4_K_q8_K does."""
+    b = e.b
+    w0, w1, w2 = (e.load(blk, 4 + 4 * i, _I32) for i in range(3))
+
+    def c(v):
+        return ir.Constant(_I32, v)
+
+    m1, m2, m3 = c(0x3F3F3F3F), c(0x0F0F0F0F), c(0x03030303)
+    scales_lo = b.and_(w0, m1)
+    scales_hi = b.or_(b.and_(w2, m2), b.shl(b.and_(b.lshr(w0, c(6)), m3), c(4)))
+    mins_lo = b.and_(w1, m1)
+    mins_hi = b.or_(b.and_(b.lshr(w2, c(4)), m2), b.shl(b.and_(b.lshr(w1, c(6)), m3), c(4)))
+
+    def eight_bytes(lo, hi):
+        pair = b.insert_element(ir.Constant(ir.VectorType(_I32, 2), None), lo, c(0))
+        pair = b.insert_element(pair, hi, c(1))
+        return b.zext(b.bitcast(pair, ir.VectorType(_I8, 8)), _V8I32)
+
+    return eight_bytes(scales_lo, scales_hi), eight_bytes(mins_lo, mins_hi)
 
 
 def _k_asymmetric(e, blk, c0, quants_at, high_bits_at):
-    """Q4_K / Q5_K: w = d * sc * u - dmin * mn per 32-weight sub-block."""
+    """Q4_K / Q5_K: w = d * sc * u - dmin * mn per 32-weight sub-block. The 6-bit scales stay
+    integers: d * dx multiplies the block's integer sum once, and the 8 minimums are applied
+    together at the block's end (as ggml's vec_dot_q4_K_q8_K)."""
     b = e.b
     d, dmin = e.f16(blk, 0), e.f16(blk, 2)
+    scales, mins = _scales_mins_k4(e, blk)
     qh = e.load(blk, high_bits_at, _V32I8) if high_bits_at else None
     for j in range(4):
         lo, hi = e.nibbles(e.load(blk, quants_at + 32 * j, _V32I8))
@@ -341,8 +398,10 @@ def _k_asymmetric(e, blk, c0, quants_at, high_bits_at):
             if qh is not None:  # bit k of qh[l] is bit 4 of weight 32k + l
                 bit = b.and_(b.lshr(qh, _splat(_V32I8, k)), _splat(_V32I8, 1))
                 u = b.or_(u, b.shl(bit, _splat(_V32I8, 4)))
-            sc, mn = _scale_min_k4(e, blk, k)
-            yield e.chunk_index(c0, k), u, 0, b.fmul(d, sc), b.fneg(b.fmul(dmin, mn))
+            sc = b.extract_element(scales, ir.Constant(_I32, k))
+            yield e.chunk_index(c0, k), u, 0, sc, None
+    minimums = b.fmul(b.uitofp(mins, _V8F32), e.splat8(b.fneg(dmin)))
+    yield BlockEnd(c0, d, minimums)
 
 
 def _q4_k(e, blk, c0):
@@ -354,7 +413,8 @@ def _q5_k(e, blk, c0):
 
 
 def _q6_k(e, blk, c0):
-    """ql[128] | qh[64] | scales int8[16] | d f16: w = d * sc * (q - 32), 16-weight scales."""
+    """ql[128] | qh[64] | scales int8[16] | d f16: w = d * sc * (q - 32), 16-weight scales,
+    kept as integers (lanes 0-3 and 4-7 of a chunk) until the block's end."""
     b = e.b
     d = e.f16(blk, 208)
     three = _splat(_V32I8, 3)
@@ -367,8 +427,12 @@ def _q6_k(e, blk, c0):
             top = b.and_(b.lshr(qh, _splat(_V32I8, 2 * g)), three)
             u = b.or_(low, b.shl(top, _splat(_V32I8, 4)))
             k = 192 + 8 * h + 2 * g
-            scales = [b.fmul(d, b.sitofp(e.load(blk, k + half, _I8), _F32)) for half in range(2)]
-            yield e.chunk_index(c0, 4 * h + g), u, 32, _two_halves(e, *scales), None
+            pair = e.load(blk, k, ir.IntType(16))  # the two int8 scales of this chunk
+            scales = b.sext(b.bitcast(pair, ir.VectorType(_I8, 2)), ir.VectorType(_I32, 2))
+            lanes = ir.Constant(_V8I32, [0, 0, 0, 0, 1, 1, 1, 1])
+            per_lane = b.shuffle_vector(scales, ir.Constant(scales.type, None), lanes)
+            yield e.chunk_index(c0, 4 * h + g), u, 32, per_lane, None
+    yield BlockEnd(c0, d)
 
 
 def _two_halves(e, low, high):
