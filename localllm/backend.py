@@ -160,8 +160,9 @@ class CPUBackend:
         self._rounded: dict[tuple, np.ndarray] = {}  # rounded activations by (kind, shape)
         self._quantized: dict[tuple, tuple] = {}  # int8 activations by (super block, n_cols)
         self._attention: tuple | None = None  # attention scratch (scores, row), see attention
-        # one token on an x86 CPU with AVX2 or VNNI: ggml's integer dot products (quants/intdot.py)
-        self.integer_decode = llama_cpp_rounding and intdot.AVAILABLE
+        # on an x86 CPU with AVX2 or VNNI: ggml's integer dot products (quants/intdot.py), for a
+        # token decoded alone and for the tiles of a prefill alike
+        self.integer_kernels = llama_cpp_rounding and intdot.AVAILABLE
 
     def step(self, n_tokens: int):
         """A context for one forward chunk of n_tokens: it runs on the threads chosen for it."""
@@ -221,13 +222,13 @@ class CPUBackend:
 
     def linear_many(self, x: np.ndarray, weights, outs) -> tuple:
         """outs[i] = x @ weights[i].T for weights sharing one input (Q/K/V, gate/up): x is
-        rounded once per activation type rather than once per matrix. One token with integer
-        kernels (`integer_decode`) takes ggml's integer dot products (`_integer_matvecs`); the
-        other weights, and batches, the float kernels on rounded activations."""
+        rounded once per activation type rather than once per matrix. With integer kernels
+        (`integer_kernels`) the types intdot has take ggml's integer dot products
+        (`_integer_matmuls`); the other weights the float kernels on rounded activations."""
         pairs = list(zip(weights, outs, strict=True))
-        if x.shape[0] == 1 and self.integer_decode:
+        if self.integer_kernels:
             integer = [(w, out) for w, out in pairs if w.qtype.ggml_type in intdot.MATVEC]
-            self._integer_matvecs(x[0], integer)
+            self._integer_matmuls(x, integer)
             pairs = [(w, out) for w, out in pairs if w.qtype.ggml_type not in intdot.MATVEC]
         rounded = {}
         for w, out in pairs:
@@ -244,24 +245,30 @@ class CPUBackend:
                 w.qtype.matmul(w.raw, xr, out)
         return tuple(outs)
 
-    def _integer_matvecs(self, x: np.ndarray, pairs) -> None:
-        """out = w @ x for (w, out) pairs of one token, x: float32[n_cols]: x quantized to int8
+    def _integer_matmuls(self, x: np.ndarray, pairs) -> None:
+        """out = x @ w.T for (w, out) pairs, x: float32[n_tokens, n_cols]: x quantized to int8
         once per super-block size, one kernel call for all the weights of a type."""
         by_type: dict[int, tuple[list, list]] = {}
         for w, out in pairs:
+            if not out.flags.c_contiguous:  # the kernels address rows by the row length
+                raise ValueError(f"the output for {w.name} must be C-contiguous")
             raws, targets = by_type.setdefault(w.qtype.ggml_type, ([], []))
             raws.append(w.raw)
             targets.append(out)
         quantized = {}
+        n_tokens, n_cols = x.shape
         for ggml_type, (raws, targets) in by_type.items():
             super_block = intdot.SUPER_BLOCK[ggml_type]
             xq = quantized.get(super_block)
             if xq is None:
-                key = (super_block, x.shape[0])
+                key = (super_block, n_tokens, n_cols)
                 xq = self._quantized.get(key)
                 if xq is None:
-                    xq = self._quantized[key] = intdot.activation_buffers(1, x.shape[0])
-                intdot.quantize_q8(x[None], super_block, *xq)
+                    xq = self._quantized[key] = intdot.activation_buffers(n_tokens, n_cols)
+                if n_tokens == 1:  # a few microseconds: not worth waking the threads
+                    intdot.quantize_q8(x, super_block, *xq)
+                else:
+                    intdot.quantize_q8_tokens(x, super_block, *xq)
                 quantized[super_block] = xq
             intdot.MATVEC[ggml_type](tuple(raws), *xq, tuple(targets))
 

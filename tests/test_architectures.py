@@ -99,17 +99,17 @@ def greedy(model, prompt: list[int], n_steps: int) -> tuple[list[int], list[np.n
     return tokens, rows
 
 
-@pytest.mark.parametrize("integer_decode", [True, False], ids=["integer", "float"])
-def test_greedy_continuation_matches_llama_cpp(case, integer_decode):
+@pytest.mark.parametrize("integer_kernels", [True, False], ids=["integer", "float"])
+def test_greedy_continuation_matches_llama_cpp(case, integer_kernels):
     """24 greedy steps: the same tokens as llama.cpp's unless after one of its near-ties, the
     top-5 logits of every step and the whole last logits within tolerance. Both decode kernels:
     integer dot products (x86 SIMD, for the quantized weights) and float ones (any CPU)."""
     ref, model = case
     backend = model.transformer.backend
-    if integer_decode and not intdot.AVAILABLE:
+    if integer_kernels and not intdot.AVAILABLE:
         pytest.skip("no integer kernels for this CPU")
     tol = tolerance(ref)
-    default, backend.integer_decode = backend.integer_decode, integer_decode
+    default, backend.integer_kernels = backend.integer_kernels, integer_kernels
     try:
         for i_prompt, expected in enumerate(ref["greedy"]):
             tokens, rows = greedy(model, expected["prompt_ids"], N_STEPS)
@@ -127,7 +127,7 @@ def test_greedy_continuation_matches_llama_cpp(case, integer_decode):
                 last = np.abs(rows[-1] - np.array(expected["last_logits"])).max()
                 assert last < tol, (*where, "last logits", last)
     finally:
-        backend.integer_decode = default
+        backend.integer_kernels = default
 
 
 def teacher_forced_logits(transformer, expected) -> np.ndarray:

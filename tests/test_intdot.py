@@ -174,7 +174,7 @@ def test_other_instruction_sets(instruction_set, tmp_path):
 def test_no_simd_falls_back_to_float_kernels(tmp_path):
     code = (
         "from localllm.backend import CPUBackend; from localllm.quants import intdot; "
-        "print(intdot.INSTRUCTION_SET, CPUBackend(1).integer_decode)"
+        "print(intdot.INSTRUCTION_SET, CPUBackend(1).integer_kernels)"
     )
     assert run_for_target(None, tmp_path, "-c", code).split() == ["None", "False"]
 
@@ -215,3 +215,22 @@ def test_targets_this_cpu_cannot_run_are_skipped(monkeypatch, tmp_path):
     with pytest.raises(pytest.skip.Exception, match="avxvnni"):
         run_for_target("vnni", tmp_path, "-c", "raise SystemExit(1)")
     skip_unless_host_runs("avx2")  # haswell's features are all there: no skip
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_a_tile_of_tokens_gives_each_token_its_own_result(name):
+    """A prefill's tiles (TILE_TOKENS tokens share each unpacked block, tokens in blocks) give
+    every token exactly the result it gets alone."""
+    ggml_type = TYPES[name]
+    n_rows, n_cols, n_tokens = 9, 512, 2 * intdot.TILE_TOKENS + 1
+    rng = np.random.default_rng(ggml_type)
+    raw = read_only(random_weights(name, n_rows, n_cols, rng))
+    x = rng.standard_normal((n_tokens, n_cols)).astype(np.float32)
+    xq = intdot.activation_buffers(n_tokens, n_cols)
+    intdot.quantize_q8_tokens(x, intdot.SUPER_BLOCK[ggml_type], *xq)
+    batch = np.zeros((n_tokens, n_rows), np.float32)
+    intdot.MATVEC[ggml_type]((raw,), *xq, (batch,))
+    for t in range(n_tokens):
+        alone = np.zeros((1, n_rows), np.float32)
+        intdot.MATVEC[ggml_type]((raw,), *(a[t : t + 1] for a in xq), (alone,))
+        np.testing.assert_array_equal(batch[t], alone[0])

@@ -17,8 +17,13 @@ from localllm.quants import intdot
 # vectorizing attention) moved one smollm2 step's top-2 gap by 0.37. So where llama.cpp's top two
 # logits are closer than NEAR_TIE, either token is a fair greedy choice (teacher-forced, 6 of 144
 # steps pick the second token, at llama.cpp gaps of 0.03-0.33), and logits agree within LOGIT_TOL.
+# Teacher-forced passes run the integer kernels now (as llama.cpp's prefill does; a token gets the
+# same logits in a batch as alone): top-5 logits within 1.07 / 0.59 / 0.31 of llama.cpp's, against
+# 0.57 / 0.73 / 0.23 with the float kernels: smollm2's logits reach 38 on the France prompt, and
+# all five move together by ~1 there (a scale of the residual stream, not a wrong kernel: each
+# kernel equals ggml's formula in test_intdot.py).
 NEAR_TIE = 0.4
-LOGIT_TOL = 1.0
+LOGIT_TOL = 1.25
 
 
 @pytest.fixture(scope="module", params=MODEL_NAMES)
@@ -48,18 +53,18 @@ def test_teacher_forced_top1_and_logits(loaded):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("integer_decode", [True, False], ids=["integer", "float"])
-def test_greedy_continuation_matches_llama_cpp(loaded, integer_decode):
+@pytest.mark.parametrize("integer_kernels", [True, False], ids=["integer", "float"])
+def test_greedy_continuation_matches_llama_cpp(loaded, integer_kernels):
     """Both decode kernels: integer dot products (x86 SIMD) and float ones (any CPU)."""
     name, model = loaded
     backend = model.transformer.backend
-    if integer_decode and not intdot.AVAILABLE:
+    if integer_kernels and not intdot.AVAILABLE:
         pytest.skip("no integer kernels for this CPU")
-    default, backend.integer_decode = backend.integer_decode, integer_decode
+    default, backend.integer_kernels = backend.integer_kernels, integer_kernels
     try:
         check_greedy(name, model)
     finally:
-        backend.integer_decode = default
+        backend.integer_kernels = default
 
 
 def check_greedy(name, model):
@@ -104,3 +109,19 @@ def test_cached_decoding_equals_full_pass(name):
         np.testing.assert_allclose(
             step, full[pos], rtol=1e-3, atol=2e-3, err_msg=f"{name} pos {pos}"
         )
+
+
+@pytest.mark.skipif(not intdot.AVAILABLE, reason="no integer kernels for this CPU")
+def test_a_token_gets_the_same_logits_in_a_batch_as_alone(loaded):
+    """The integer kernels compute each token's dot products in the same order whatever the tile
+    of tokens, and attention each head's the same way: a prefill's logits are the logits of the
+    same tokens decoded one by one, bit for bit (what batched serving needs)."""
+    name, model = loaded
+    t = model.transformer
+    case = reference(name)["greedy"][0]
+    ids = case["prompt_ids"] + case["greedy_ids"][:6]
+    t.cache.clear()
+    batch = t.forward(ids, 0, all_logits=True)
+    t.cache.clear()
+    alone = np.stack([t.forward([token], pos) for pos, token in enumerate(ids)])
+    np.testing.assert_array_equal(batch, alone)

@@ -271,27 +271,31 @@ class _Emitter:
 PREFETCH_BYTES = 8192
 
 
-def _rows_typer(type_size, chunks_per_block, unpack_block, n_rows):
-    """The typing function of a Numba intrinsic `rows(w, r0, xq, xd, xs, xl, out)`:
+def _rows_typer(type_size, chunks_per_block, unpack_block, n_rows, n_tokens):
+    """The typing function of a Numba intrinsic `rows(w, r0, t0, xq, xd, xs, xl, out)`:
 
-        out[0, r0 + i] = w[r0 + i] . x[0]   for i < n_rows
+        out[t0 + k, r0 + i] = w[r0 + i] . x[t0 + k]   for i < n_rows, k < n_tokens
 
-    w: uint8[rows, row_bytes] (GGUF blocks); xq: int8[1, n_cols]; xd, xs: float32[1, n_cols //
-    32]; xl: int32[1, n_cols // 4]; out: float32[1, rows]; all C-contiguous. The rows advance
-    block by block together, sharing the activation loads; unpack_block(e, block_ptr,
-    first_chunk) yields a block's chunks.
+    w: uint8[rows, row_bytes] (GGUF blocks); xq: int8[tokens, n_cols]; xd, xs: float32[tokens,
+    n_cols // 32]; xl: int32[tokens, n_cols // 4]; out: float32[tokens, rows]; all C-contiguous.
+    The rows advance block by block together, sharing the activation loads; each block is
+    unpacked once for all n_tokens tokens (a tile of a prefill: the weights are read once per
+    tile); unpack_block(e, block_ptr, first_chunk) yields a block's chunks. A token's dot
+    products are computed in the same order whatever the tile, so that a token gets the same
+    logits decoded alone or in a batch.
     """
 
-    def rows(typingctx, w, r0, xq, xd, xs, xl, out):
-        sig = types.void(w, r0, xq, xd, xs, xl, out)
+    def rows(typingctx, w, r0, t0, xq, xd, xs, xl, out):
+        sig = types.void(w, r0, t0, xq, xd, xs, xl, out)
 
         def codegen(context, builder, signature, args):
             i64 = ir.IntType(64)
             arrays = {
                 k: context.make_array(signature.args[k])(context, builder, args[k])
-                for k in (0, 2, 3, 4, 5, 6)
+                for k in (0, 3, 4, 5, 6, 7)
             }
             r0 = context.cast(builder, args[1], signature.args[1], types.int64)
+            t0 = context.cast(builder, args[2], signature.args[2], types.int64)
             row_bytes = builder.extract_value(arrays[0].shape, 1)
             rows = [
                 builder.gep(
@@ -299,7 +303,17 @@ def _rows_typer(type_size, chunks_per_block, unpack_block, n_rows):
                 )
                 for i in range(n_rows)
             ]
-            e = _Emitter(builder, n_rows, *(arrays[k].data for k in (2, 3, 4, 5)))
+
+            def token_row(k, tok):  # pointer to row t0 + tok of array k
+                width = builder.extract_value(arrays[k].shape, 1)
+                at = builder.mul(builder.add(t0, ir.Constant(i64, tok)), width)
+                return builder.gep(arrays[k].data, [at])
+
+            emitters = [
+                _Emitter(builder, n_rows, *(token_row(k, tok) for k in (3, 4, 5, 6)))
+                for tok in range(n_tokens)
+            ]
+            e = emitters[0]  # its weight-side helpers unpack the blocks for every token
             prefetch = cgutils.get_or_insert_function(
                 builder.module,
                 ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]),
@@ -317,10 +331,13 @@ def _rows_typer(type_size, chunks_per_block, unpack_block, n_rows):
                         flags = (ir.Constant(_I32, v) for v in (0, 3, 1))
                         builder.call(prefetch, [builder.gep(row, [at]), *flags])
                     for chunk in unpack_block(e, builder.gep(row, [offset]), first):
-                        e.accumulate(i, chunk)
-            for i in range(n_rows):
-                target = builder.gep(arrays[6].data, [builder.add(r0, ir.Constant(i64, i))])
-                builder.store(e.result(i), target)
+                        for em in emitters:
+                            em.accumulate(i, chunk)
+            for tok, em in enumerate(emitters):
+                out_row = token_row(7, tok)
+                for i in range(n_rows):
+                    target = builder.gep(out_row, [builder.add(r0, ir.Constant(i64, i))])
+                    builder.store(em.result(i), target)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -516,19 +533,20 @@ _BLOCKS = {  # ggml type id: (bytes per block, 32-weight chunks per block, block
 
 
 @intrinsic
-def _rows(typingctx, ggml_type, n_rows, w, r0, xq, xd, xs, xl, out):
-    """out[0, r0:r0 + n_rows] = w[r0:r0 + n_rows] . x[0] (see _rows_typer); ggml_type and n_rows
-    must be compile-time constants."""
-    if not all(isinstance(v, types.IntegerLiteral) for v in (ggml_type, n_rows)):
+def _rows(typingctx, ggml_type, n_rows, n_tokens, w, r0, t0, xq, xd, xs, xl, out):
+    """out[t0:t0 + n_tokens, r0:r0 + n_rows] = x[t0:t0 + n_tokens] . w[r0:r0 + n_rows] (see
+    _rows_typer); ggml_type, n_rows and n_tokens must be compile-time constants."""
+    if not all(isinstance(v, types.IntegerLiteral) for v in (ggml_type, n_rows, n_tokens)):
         return None
-    typer = _rows_typer(*_BLOCKS[ggml_type.literal_value], n_rows.literal_value)
-    args = (w, r0, xq, xd, xs, xl, out)
+    sizes = _BLOCKS[ggml_type.literal_value]
+    typer = _rows_typer(*sizes, n_rows.literal_value, n_tokens.literal_value)
+    args = (w, r0, t0, xq, xd, xs, xl, out)
     inner_sig, inner_codegen = typer(typingctx, *args)
 
     def codegen(context, builder, signature, llargs):
-        return inner_codegen(context, builder, inner_sig, llargs[2:])
+        return inner_codegen(context, builder, inner_sig, llargs[3:])
 
-    return types.void(ggml_type, n_rows, *args), codegen
+    return types.void(ggml_type, n_rows, n_tokens, *args), codegen
 
 
 # ---- activations: int8 quants, per-chunk scales and sums
@@ -563,6 +581,14 @@ def quantize_q8(x, super_block, xq, xd, xs, xl):
                 )
 
 
+@njit(parallel=True, cache=True)
+def quantize_q8_tokens(x, super_block, xq, xd, xs, xl):
+    """quantize_q8 with the tokens spread over threads (a prefill's activations)."""
+    for t in prange(x.shape[0]):
+        quantize_q8(x[t : t + 1], super_block, xq[t : t + 1], xd[t : t + 1], xs[t : t + 1],
+                    xl[t : t + 1])  # fmt: skip
+
+
 def activation_buffers(n_tokens: int, n_cols: int) -> tuple:
     """Empty (xq, xd, xs, xl) for quantize_q8."""
     return (
@@ -581,28 +607,50 @@ def activation_buffers(n_tokens: int, n_cols: int) -> tuple:
 SUPER_BLOCK = {t: 256 if VEC_DOT_TYPES[t] == Q8_K else 32 for t in _BLOCKS}
 
 
+# Prefill tiles: TILE_TOKENS tokens share each unpacked weight block (4 rows x 2 tokens: 8 float
+# and 8 integer accumulators, which AVX-512's 32 vector registers hold). Tokens go through in
+# blocks of about ACTIVATION_BLOCK_BYTES of int8 activations, which stay in L2 while every row
+# group of the weights streams past them.
+TILE_TOKENS = 2
+ACTIVATION_BLOCK_BYTES = 256 << 10
+
+
 def _matvec(ggml_type: int, name: str):
     def matvec(ws, xq, xd, xs, xl, outs):
-        """outs[i][0, :] = ws[i] @ x[0] for one token and a tuple of weights of this type that
-        share the input (Q/K/V, gate/up): one parallel region for all their rows.
-        xq int8[1, n_cols], xd/xs float32[1, n_cols // 32], xl int32[1, n_cols // 4] (see
-        quantize_q8); ws[i]: uint8[n_rows_i, row_bytes]; outs[i]: float32[1, n_rows_i]."""
+        """outs[i] = x @ ws[i].T for a tuple of weights of this type that share the input
+        (Q/K/V, gate/up): one parallel region for all their rows per block of tokens.
+        xq int8[n_tokens, n_cols], xd/xs float32[n_tokens, n_cols // 32], xl int32[n_tokens,
+        n_cols // 4] (see quantize_q8); ws[i]: uint8[n_rows_i, row_bytes]; outs[i]:
+        float32[n_tokens, n_rows_i]."""
+        n_tokens, n_cols = xq.shape
         bounds = np.empty(len(ws) + 1, np.int64)  # the row groups of ws[i]: bounds[i]..[i + 1]
         bounds[0] = 0
         for i in range(len(ws)):
             bounds[i + 1] = bounds[i] + (ws[i].shape[0] + ROWS - 1) // ROWS
-        for g in prange(bounds[len(ws)]):
-            i = 0
-            while g >= bounds[i + 1]:
-                i += 1
-            w, out = ws[i], outs[i]
-            n_rows = w.shape[0]
-            r0 = (g - bounds[i]) * ROWS
-            if r0 + ROWS <= n_rows:
-                _rows(ggml_type, ROWS, w, r0, xq, xd, xs, xl, out)
-            else:
-                for r in range(r0, n_rows):
-                    _rows(ggml_type, 1, w, r, xq, xd, xs, xl, out)
+        per_block = max(TILE_TOKENS, ACTIVATION_BLOCK_BYTES // n_cols // TILE_TOKENS * TILE_TOKENS)
+        for b0 in range(0, n_tokens, per_block):
+            b1 = min(n_tokens, b0 + per_block)
+            tiled = b0 + (b1 - b0) // TILE_TOKENS * TILE_TOKENS
+            for g in prange(bounds[len(ws)]):
+                i = 0
+                while g >= bounds[i + 1]:
+                    i += 1
+                w, out = ws[i], outs[i]
+                n_rows = w.shape[0]
+                r0 = (g - bounds[i]) * ROWS
+                full = r0 + ROWS <= n_rows
+                for t0 in range(b0, tiled, TILE_TOKENS):
+                    if full:
+                        _rows(ggml_type, ROWS, TILE_TOKENS, w, r0, t0, xq, xd, xs, xl, out)
+                    else:
+                        for r in range(r0, n_rows):
+                            _rows(ggml_type, 1, TILE_TOKENS, w, r, t0, xq, xd, xs, xl, out)
+                for t in range(tiled, b1):
+                    if full:
+                        _rows(ggml_type, ROWS, 1, w, r0, t, xq, xd, xs, xl, out)
+                    else:
+                        for r in range(r0, n_rows):
+                            _rows(ggml_type, 1, 1, w, r, t, xq, xd, xs, xl, out)
 
     matvec.__qualname__ = f"matvec_{name}"
     return njit(parallel=True, cache=True)(matvec)
