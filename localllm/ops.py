@@ -11,6 +11,7 @@ logits stay close to llama.cpp's.
 from __future__ import annotations
 
 import math
+import platform
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,7 @@ from numba.extending import intrinsic, overload
 
 from localllm.quants.activations import f16_bits, round_f16
 from localllm.quants.float import _bits_to_f32, f16_to_f32
+from localllm.quants.intdot import host_features
 
 
 @njit(cache=True)
@@ -231,6 +233,23 @@ def expf(x):
     return j * _pow2(half) * _pow2(k - half)
 
 
+# Half to float in one instruction where the CPU has one (x86 F16C: every AVX2 CPU; ARMv8);
+# elsewhere LLVM would call a runtime helper Numba cannot link, so the bit-exact integer version.
+HARDWARE_HALF = "f16c" in host_features() or platform.machine().lower() in ("aarch64", "arm64")
+
+
+@intrinsic
+def _half_bits_to_f32(typingctx, bits):
+    """IEEE half bits (a 16-bit integer) as float32, by LLVM's fpext (vcvtph2ps)."""
+    if isinstance(bits, types.Integer) and bits.bitwidth == 16:
+
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+        return types.float32(bits), codegen
+    return None
+
+
 def kv_value(x):
     """A KV cache element as float32: IEEE half bits (uint16) converted, float32 as it is."""
 
@@ -238,6 +257,8 @@ def kv_value(x):
 @overload(kv_value, inline="always")
 def _kv_value(x):
     if isinstance(x, types.Integer) and x.bitwidth == 16:
+        if HARDWARE_HALF:
+            return lambda x: _half_bits_to_f32(x)
         return lambda x: f16_to_f32(x)
     if x == types.float32:
         return lambda x: x
