@@ -20,6 +20,7 @@ from localllm.conversation import ContextFull, Conversation
 from localllm.describe import describe_model, format_stats, info_rows, printable
 from localllm.errors import LocalLLMError
 from localllm.prompt import chat_template
+from localllm.thinking import ThinkingDisplay
 
 HELP = """\
 Available commands:
@@ -27,6 +28,7 @@ Available commands:
   /set NAME VALUE         Set a parameter: temperature, top_k, top_p, min_p, repeat_penalty,
                           seed (none for random), num_predict (-1: no limit)
   /set verbose | quiet    Show or hide timing statistics after each reply
+  /set think | nothink    Thinking models: think (thoughts shown dimmed) or answer directly
   /show [WHAT]            Show info, parameters, system, template, license or history
   /clear                  Forget the conversation (the system prompt and parameters stay)
   /save FILE              Save the conversation as JSON
@@ -178,11 +180,22 @@ class ChatSession:
         write = self.out.write if wrap is None else wrap.write
         try:
             with contextlib.closing(conversation.reply(text)) as replies:
+                # thoughts dimmed on a terminal, apart from the answer (not with /set nothink)
+                display = ThinkingDisplay(
+                    write,
+                    thinks=conversation.thinks,
+                    show=conversation.think is not False,
+                    dim=self.out.isatty(),
+                    inside=conversation.reply_opens_thinking,
+                    raw=self.out.write,
+                    flush=wrap.flush if wrap is not None else None,
+                )
                 try:
                     for last in replies:
-                        write(last.text)
+                        display.write(last.text)
                         self.out.flush()
                 finally:  # the word held back shows before "(stopped)" or an error
+                    display.close()
                     if wrap is not None:
                         wrap.flush()
         except KeyboardInterrupt:
@@ -257,6 +270,11 @@ class ChatSession:
         elif name in ("verbose", "quiet"):
             self.verbose = name == "verbose"
             self._say(f"Set {name} mode.", self.out)
+        elif name in ("think", "nothink") and not value:
+            if not self.conversation.thinks:
+                raise LocalLLMError(f"{self.name} is not a thinking model")
+            self.conversation.think = name == "think"
+            self._say("Set 'think' mode." if name == "think" else "Set 'nothink' mode.", self.out)
         elif name and value:
             self.conversation.options.set(name, value)
             self._say(f"Set parameter {name!r} to {value!r}.", self.out)

@@ -240,6 +240,13 @@ def run(
     truncate: bool = typer.Option(
         False, "--truncate", help="Keep the end of a prompt too long for the context (warns)."
     ),
+    think: bool | None = typer.Option(
+        None,
+        "--think/--no-think",
+        help="Thinking models: think and show the thoughts (also in a pipe), or do not think. "
+        "Default: as the model's template has it; thoughts dimmed on a terminal, left out of "
+        "a pipe.",
+    ),
     debug: bool = DEBUG,
 ) -> None:
     """Chat with a model, or answer a prompt once.
@@ -257,9 +264,9 @@ def run(
     loaded, label = open_model(model, ctx_size, threads, device, spinner=_isatty(sys.stdout))
     try:
         if interactive:
-            _chat(loaded, label, system, raw, options, verbose)
+            _chat(loaded, label, system, raw, options, verbose, think)
         else:
-            _one_shot(loaded, text, system, raw, options, verbose, truncate)
+            _one_shot(loaded, text, system, raw, options, verbose, truncate, think)
     finally:
         loaded.close()
 
@@ -277,20 +284,33 @@ def _prompt_text(prompt: str | None) -> str:
 
 
 def _one_shot(
-    model, text: str, system: str | None, raw: bool, options, verbose: bool, truncate: bool
+    model,
+    text: str,
+    system: str | None,
+    raw: bool,
+    options,
+    verbose: bool,
+    truncate: bool,
+    think: bool | None = None,
 ) -> None:
     from localllm.conversation import Conversation
 
     start = time.perf_counter()
     conversation = Conversation(model, system=system, raw=raw, options=options)
+    conversation.think = think
     ids, dropped = conversation.ask(text, truncate=truncate)
     if dropped:
         _stderr(
             f"Warning: the prompt did not fit in the context of {model.n_ctx} tokens; its first "
             f"{dropped} tokens were dropped (--truncate), {len(ids)} tokens remain"
         )
+    # Thoughts show on a terminal, and in a pipe when --think asks for them.
+    show = think is not False and (think is True or _isatty(sys.stdout))
+    inside = conversation.reply_opens_thinking
     with closing(conversation.generate(ids)) as replies:
-        final = _print_reply(replies, sys.stdout)
+        final = _print_reply(
+            replies, sys.stdout, conversation.thinks, show_thinking=show, inside_thinking=inside
+        )
     if final.finish_reason == "length" and conversation.context_is_full():
         _stderr(f"Warning: the reply stopped because the context ({model.n_ctx} tokens) is full")
     if verbose:
@@ -300,35 +320,51 @@ def _one_shot(
         _stderr(format_stats(final, model.load_seconds, total))
 
 
-def _print_reply(replies: Iterator[Any], out: TextIO) -> Any:
+def _print_reply(
+    replies: Iterator[Any],
+    out: TextIO,
+    thinks: bool = False,
+    show_thinking: bool = True,
+    inside_thinking: bool = False,
+) -> Any:
     """Write a reply to `out` as it streams and return its last response.
 
     The text ends with exactly one newline, on a terminal or not (so `| wc -l` counts the last
     line, and a file gets a final newline); a reply that ends with one gets none added. On a
-    terminal a spinner turns on stderr while the prompt is prefilled.
+    terminal a spinner turns on stderr while the prompt is prefilled. A thinking model's thoughts
+    are set apart (thinking.ThinkingDisplay), or left out without `show_thinking`.
     """
+    from localllm.thinking import ThinkingDisplay
+
     tty = _isatty(out)
-    last_char, finished = "", False
+    display = ThinkingDisplay(
+        out.write, thinks=thinks, show=show_thinking, dim=tty, inside=inside_thinking
+    )
+    finished = False
     try:
         with _spinner("thinking") if tty else nullcontext():
             first = next(replies)
         for final in itertools.chain([first], replies):
-            out.write(final.text)
+            display.write(final.text)
             out.flush()
-            last_char = final.text[-1:] or last_char
         finished = True
     finally:  # also after Ctrl-C: the shell prompt starts on a line of its own
+        display.close()
+        last_char = display.last_char
         if last_char != "\n" and (last_char or finished or tty):
             out.write("\n")
-            out.flush()
+        out.flush()
     return final
 
 
-def _chat(model, label: str, system: str | None, raw: bool, options, verbose: bool) -> None:
+def _chat(
+    model, label: str, system: str | None, raw: bool, options, verbose: bool, think=None
+) -> None:
     from localllm.chat import ChatSession
     from localllm.conversation import Conversation
 
     conversation = Conversation(model, system=system, raw=raw, options=options)
+    conversation.think = think
     ChatSession(conversation, label, verbose=verbose).run()
 
 

@@ -22,7 +22,9 @@ from localllm.errors import LocalLLMError
 from localllm.generate import GenerationResponse, stream_generate
 from localllm.models import Model
 from localllm.options import Options
-from localllm.prompt import chat_prompt_ids, raw_prompt_ids
+from localllm.prompt import chat_prompt_ids, chat_template, raw_prompt_ids
+from localllm.thinking import prompt_opens_thinking, template_thinks
+from localllm.thinking import split as split_thinking
 
 ROLES = ("system", "user", "assistant")
 SAVE_FORMAT = "localllm-conversation"
@@ -61,6 +63,10 @@ class Conversation:
         self.raw = raw
         self.options = options or Options()
         self.messages: list[dict[str, str]] = []  # user and assistant turns, alternating
+        # Thinking models (thinking.py): None leaves thinking as the template has it; True or
+        # False reach the template as enable_thinking (`--think` / `--no-think`, /set think).
+        self.think: bool | None = None
+        self.reply_opens_thinking = False  # the last prompt ended inside <think>
 
     def all_messages(self) -> list[dict[str, str]]:
         """The conversation as the template sees it: the system message first, if any."""
@@ -71,7 +77,17 @@ class Conversation:
         """Token ids of the whole conversation, ready for the next reply."""
         if self.raw:
             return raw_prompt_ids(self.model, "".join(m["content"] for m in self.messages))
-        return chat_prompt_ids(self.model, self.all_messages())
+        extra = {"enable_thinking": self.think} if self.think is not None else {}
+        ids = chat_prompt_ids(self.model, self.all_messages(), **extra)
+        self.reply_opens_thinking = self.thinks and prompt_opens_thinking(
+            self.model.tokenizer.decode(ids[-16:])  # "<think>" may be one token or 8 bytes
+        )
+        return ids
+
+    @property
+    def thinks(self) -> bool:
+        """Whether the model is a thinking model (its chat template says so)."""
+        return not self.raw and template_thinks(chat_template(self.model).source)
 
     def ask(self, text: str, truncate: bool = False) -> tuple[list[int], int]:
         """Add a user turn; return (prompt ids, prompt tokens dropped to make it fit).
@@ -135,6 +151,8 @@ class Conversation:
         return Reply(self, responses)
 
     def _record(self, reply: str) -> None:
+        if reply and self.thinks:  # the history keeps the answer, as thinking templates expect
+            reply = split_thinking(reply, self.reply_opens_thinking)[1]
         if reply:
             self.messages.append({"role": "assistant", "content": reply})
         elif self.messages and self.messages[-1]["role"] == "user":

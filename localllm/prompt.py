@@ -7,6 +7,7 @@ turns into the same tokens everywhere.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from localllm.chat_template import ChatTemplate, strip_leading_bos
 from localllm.models import Model
@@ -22,15 +23,21 @@ def chat_template(model: Model) -> ChatTemplate:
 
 
 def chat_prompt_ids(
-    model: Model, messages: Sequence[dict], add_generation_prompt: bool = True
+    model: Model,
+    messages: Sequence[dict],
+    add_generation_prompt: bool = True,
+    **template_vars: Any,
 ) -> list[int]:
     """Token ids for `messages` ({"role", "content"} dicts), ready to prefill.
 
     The template's text is tokenized with special tokens parsed; BOS appears once, at the start,
-    when the template wrote it or the model's metadata asks for it.
+    when the template wrote it or the model's metadata asks for it. `template_vars` reach the
+    template as variables (`enable_thinking`, ...).
     """
     template = chat_template(model)
-    text = template.render(list(messages), add_generation_prompt=add_generation_prompt)
+    text = template.render(
+        list(messages), add_generation_prompt=add_generation_prompt, **template_vars
+    )
     text, had_bos = strip_leading_bos(text, template.bos_token)
     tokenizer = model.tokenizer
     ids = tokenizer.encode(text, add_special=False, parse_special=True)
