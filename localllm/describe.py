@@ -50,9 +50,48 @@ def describe_model(gguf: GGUFFile) -> dict[str, Any]:
         "chat_template": template,
         "chat_template_source": "file" if template_name == "gguf" else f"built-in {template_name}",
         "license": metadata.get("general.license"),
+        "particulars": particulars(metadata, arch, set(gguf.tensors)),
         "file": str(gguf.path),
         "file_size": gguf.file_size,
     }
+
+
+def particulars(metadata: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
+    """The architecture's particulars that its metadata (or tensors) set, as `show` lists them:
+    attention heads, experts, sliding window, softcaps, RoPE scaling, Granite's multipliers."""
+
+    def get(key: str) -> Any:
+        return metadata.get(f"{arch}.{key}")
+
+    found: dict[str, Any] = {}
+    heads, kv_heads = get("attention.head_count"), get("attention.head_count_kv")
+    if heads:
+        found["attention heads"] = f"{heads} ({kv_heads or heads} K/V)"
+    if get("expert_count"):
+        found["experts"] = f"{get('expert_count')}, {get('expert_used_count')} used per token"
+        if get("expert_shared_count"):
+            found["experts"] += f", {get('expert_shared_count')} shared"
+    if get("attention.sliding_window"):
+        found["sliding window"] = get("attention.sliding_window")
+    for key, label in (
+        ("attn_logit_softcapping", "attention softcap"),
+        ("final_logit_softcapping", "final softcap"),
+        ("embedding_scale", "embedding multiplier"),
+        ("residual_scale", "residual multiplier"),
+        ("attention.scale", "attention multiplier"),
+        ("logit_scale", "logit divisor"),
+    ):
+        if get(key):
+            found[label] = get(key)
+    kind = get("rope.scaling.type")
+    if kind and kind != "none":
+        factor, original = get("rope.scaling.factor"), get("rope.scaling.original_context_length")
+        found["rope scaling"] = f"{kind} x{factor:g}" + (f" of {original}" if original else "")
+    elif "rope_freqs.weight" in tensor_names:
+        found["rope scaling"] = "llama3 (rope_freqs.weight)"
+    elif "rope_factors_long.weight" in tensor_names:
+        found["rope scaling"] = "longrope (rope_factors_long / _short)"
+    return found
 
 
 def info_rows(info: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -67,6 +106,7 @@ def info_rows(info: dict[str, Any]) -> list[tuple[str, Any]]:
         ("layers", info["layers"]),
         ("quantization", info["quantization"]),
         ("tensor types", types),
+        *info.get("particulars", {}).items(),
         ("file", f"{info['file']} ({format_bytes(info['file_size'])})"),
     ]
 
