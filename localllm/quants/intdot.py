@@ -437,19 +437,26 @@ def _q6_k(e, blk, c0):
     kept as integers (lanes 0-3 and 4-7 of a chunk) until the block's end."""
     b = e.b
     d = e.f16(blk, 208)
-    three = _splat(_V32I8, 3)
+    # the 16 scales at once, widened to i32; each chunk takes its two into lanes 0-3 and 4-7
+    scales = b.sext(e.load(blk, 192, ir.VectorType(_I8, 16)), ir.VectorType(_I32, 16))
+    two_bits = _splat(_V32I8, 0x30)
     for h in range(2):
         ql0, ql1 = e.load(blk, 64 * h, _V32I8), e.load(blk, 64 * h + 32, _V32I8)
         qh = e.load(blk, 128 + 32 * h, _V32I8)
         lo0, hi0 = e.nibbles(ql0)
         lo1, hi1 = e.nibbles(ql1)
         for g, low in enumerate((lo0, lo1, hi0, hi1)):
-            top = b.and_(b.lshr(qh, _splat(_V32I8, 2 * g)), three)
-            u = b.or_(low, b.shl(top, _splat(_V32I8, 4)))
-            k = 192 + 8 * h + 2 * g
-            pair = e.load(blk, k, ir.IntType(16))  # the two int8 scales of this chunk
-            scales = b.sext(b.bitcast(pair, ir.VectorType(_I8, 2)), ir.VectorType(_I32, 2))
-            lanes = ir.Constant(_V8I32, [0, 0, 0, 0, 1, 1, 1, 1])
+            # bits 2g, 2g + 1 of qh are bits 4-5 of the weight: one shift and one mask
+            shift = 4 - 2 * g
+            if shift > 0:
+                top = b.shl(qh, _splat(_V32I8, shift))
+            elif shift < 0:
+                top = b.lshr(qh, _splat(_V32I8, -shift))
+            else:
+                top = qh
+            u = b.or_(low, b.and_(top, two_bits))
+            k = 8 * h + 2 * g
+            lanes = ir.Constant(_V8I32, [k] * 4 + [k + 1] * 4)
             per_lane = b.shuffle_vector(scales, ir.Constant(scales.type, None), lanes)
             yield e.chunk_index(c0, 4 * h + g), u, 32, per_lane, None
     yield BlockEnd(c0, d)
