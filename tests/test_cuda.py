@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -378,6 +379,33 @@ def test_cuda_forward_matches_cpu(tmp_path):
     np.testing.assert_allclose(cuda, exact, rtol=1e-4, atol=1e-4 * np.abs(exact).max())
     # the real CPU backend: as close as its own rounding of activations allows
     np.testing.assert_allclose(cuda, cpu, atol=0.05 * np.abs(exact).max())
+
+
+ARCH_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "architectures"
+# the families whose particulars have CUDA code paths of their own (softcap, fused views, MoE...)
+ARCH_CASES = ["gemma2", "granite", "olmo2", "phi3", "qwen2moe", "qwen3moe", "smollm3"]
+
+
+@pytest.mark.slow
+@needs_cuda
+@pytest.mark.parametrize("name", ARCH_CASES)
+def test_cuda_runs_each_architecture_as_the_cpu_does(name):
+    """Each random architecture model (tests/fixtures/architectures): a two-chunk prefill and a
+    decode step on CUDA, against the CPU backend without llama.cpp's roundings (float32
+    activations, as the CUDA kernels keep them)."""
+    path = ARCH_FIXTURES / f"{name}.gguf"
+    logits = {}
+    gpu = backend(lanes=1, threads=4) if SIMULATED else backend()
+    for label, b in (("cpu", CPUBackend(llama_cpp_rounding=False)), ("cuda", gpu)):
+        file = read_gguf(path)
+        config = model_config(file.metadata, len(file.metadata["tokenizer.ggml.tokens"]))
+        model = Transformer(file, config, b, n_ctx=8, n_batch=2)
+        prefill = model.forward([5, 17, 63], 0, all_logits=True)
+        logits[label] = np.vstack([prefill, model.forward([7], 3)])
+        file.close()
+    cpu, cuda = logits["cpu"], logits["cuda"]
+    assert cpu.std() > 1.0
+    np.testing.assert_allclose(cuda, cpu, rtol=1e-4, atol=1e-5 * np.abs(cpu).max())
 
 
 # ---- device selection ----
