@@ -72,11 +72,14 @@ class Scratch:
         self.gate = zeros((n_batch, c.ffn_dim))
         self.up = zeros((n_batch, c.ffn_dim))
         self.logits = zeros((n_batch, c.vocab_size))  # only row 0 is used, except by all_logits
-        if c.n_experts:  # experts run one token at a time: a row each
+        if c.n_experts:  # an expert runs on the rows of the tokens that chose it
             self.router = zeros((n_batch, c.n_experts))
-            self.expert_gate = zeros((1, c.expert_ffn_dim))
-            self.expert_up = zeros((1, c.expert_ffn_dim))
-            self.expert_out = zeros((1, c.dim))
+            self.expert_in = zeros((n_batch, c.dim))
+            self.expert_gate = zeros((n_batch, c.expert_ffn_dim))
+            self.expert_up = zeros((n_batch, c.expert_ffn_dim))
+            self.expert_out = zeros((n_batch, c.dim))
+            # weighted expert outputs by (rank, token), rank-major: block 0 becomes the sum
+            self.expert_rows = zeros((c.n_experts_used * n_batch, c.dim))
             self.shared = zeros((n_batch, c.dim))  # the shared expert's output
             self.shared_gate = zeros((n_batch, 1))
 
@@ -438,45 +441,47 @@ class Transformer:
         return b.linear(gate, layer.w_down, out)
 
     def _moe_ffn(self, layer: Layer, h):
-        """The mixture of experts of llama.cpp's build_moe_ffn, into s.o: router logits ->
-        softmax -> the n_experts_used most probable experts -> their SwiGLU FFNs, weighted by
-        the (renormalized) probabilities and summed in rank order; plus the shared expert's
-        output times sigmoid(shared gate) where there is one.
+        """The mixture of experts of llama.cpp's build_moe_ffn: router logits -> softmax -> the
+        n_experts_used most probable experts of each token -> their SwiGLU FFNs, weighted by the
+        (renormalized) probabilities, summed in rank order as ggml sums them; plus the shared
+        expert's output times sigmoid(shared gate) where there is one.
 
-        The routing runs on the host (n_experts values per token). Each token then runs only its
-        chosen experts, one matrix-vector product per matrix, so a token reads the active
-        parameters and no more: decode speed follows them. A prefill does the same per token.
+        The routing runs on the host (n_experts values per token). Then each expert some token
+        chose runs once, on the rows of the tokens that chose it (gathered): only the chosen
+        experts' bytes are read, so decode speed follows the active parameters, and a prefill
+        reads each chosen expert once per chunk. Its weighted outputs land in rank-major rows of
+        s.expert_rows (rank r of token t: row r * n + t), whose first block is the sum.
         """
         b, c, s = self.backend, self.config, self.scratch
-        moe = layer.moe
+        moe, k = layer.moe, c.n_experts_used
         n = h.shape[0]
         probs = b.to_host(b.linear(h, moe.router, s.router[:n]))  # float32[n, n_experts]
         ops.softmax_rows(probs)
-        chosen = np.argsort(-probs, axis=1, kind="stable")[:, : c.n_experts_used]
-        weights = np.take_along_axis(probs, chosen, axis=1)  # float32[n, n_experts_used]
+        chosen = np.argsort(-probs, axis=1, kind="stable")[:, :k]  # int64[n, k]
+        weights = np.take_along_axis(probs, chosen, axis=1)  # float32[n, k]
         if c.expert_weights_norm:
             total = weights.sum(axis=1, dtype=np.float64, keepdims=True).astype(np.float32)
             weights = weights / total
         if c.expert_weights_scale not in (0.0, 1.0):
             weights = weights * np.float32(c.expert_weights_scale)
-        o = s.o[:n]
-        for t in range(n):
-            h_t, o_t = h[t : t + 1], o[t : t + 1]
-            for rank, expert in enumerate(chosen[t]):
-                w_gate, w_up, w_down = moe.experts[expert]
-                gate, up = b.linear_many(h_t, (w_gate, w_up), (s.expert_gate, s.expert_up))
-                b.silu_mul(gate, up)
-                out = o_t if rank == 0 else s.expert_out
-                b.linear(gate, w_down, out)
-                b.scale(out, float(weights[t, rank]))
-                if rank:
-                    b.add(o_t, out)
+        rows = s.expert_rows[: k * n]
+        for expert in np.unique(chosen):
+            tokens, ranks = np.nonzero(chosen == expert)
+            m = len(tokens)
+            w_gate, w_up, w_down = moe.experts[expert]
+            x = b.gather_rows(h, tokens, s.expert_in[:m])
+            gate, up = b.linear_many(x, (w_gate, w_up), (s.expert_gate[:m], s.expert_up[:m]))
+            b.silu_mul(gate, up)
+            y = b.linear(gate, w_down, s.expert_out[:m])
+            b.scatter_rows(y, ranks * n + tokens, weights[tokens, ranks], rows)
+        o = rows[:n]
+        for rank in range(1, k):
+            b.add(o, rows[rank * n : (rank + 1) * n])
         if moe.shared_gate is not None:
             shared = self._dense_ffn(layer, h, s.shared[:n])
             g = b.to_host(b.linear(h, moe.shared_gate, s.shared_gate[:n]))[:, 0]
             # sigmoid as llama.cpp's qwen2moe graph computes it: silu(g) / g
             sigmoid = g / (np.float32(1.0) + np.exp(-g)) / g
-            for t in range(n):
-                b.scale(shared[t : t + 1], float(sigmoid[t]))
+            b.scatter_rows(shared, np.arange(n), sigmoid, shared)
             b.add(o, shared)
         return o
