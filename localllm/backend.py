@@ -121,6 +121,16 @@ class Backend(Protocol):
 
     def scale(self, x: Array, factor: float) -> None: ...
 
+    def gather_rows(self, x: Array, rows: np.ndarray, out: Array) -> Array:
+        """out[i] = x[rows[i]]: the tokens a MoE expert runs on. rows: host int64[m]."""
+        ...
+
+    def scatter_rows(self, x: Array, rows: np.ndarray, factors: np.ndarray, out: Array) -> None:
+        """out[rows[i]] = x[i] * factors[i]: an expert's outputs, weighted, back to their tokens.
+        rows: host int64[m], distinct; factors: host float32[m]. out may be x (rows 0..m-1:
+        each row scaled by its factor)."""
+        ...
+
 
 @dataclass(frozen=True)
 class QuantWeight:
@@ -347,6 +357,13 @@ class CPUBackend:
 
     def scale(self, x: np.ndarray, factor: float) -> None:
         x *= np.float32(factor)
+
+    def gather_rows(self, x: np.ndarray, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+        np.take(x, rows, axis=0, out=out)
+        return out
+
+    def scatter_rows(self, x: np.ndarray, rows, factors, out: np.ndarray) -> None:
+        out[rows] = x * np.asarray(factors, dtype=np.float32)[:, None]
 
 
 DEVICES = ("auto", "cpu", "cuda")

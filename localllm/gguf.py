@@ -92,6 +92,25 @@ class TensorInfo:
         """The GGML type's name, e.g. "Q4_K"."""
         return GGMLQuantizationType(self.ggml_type).name
 
+    def matrix(self, index: int, name: str) -> TensorInfo:
+        """Matrix `index` of a 3-D tensor, as a 2-D tensor named `name`: one expert of a MoE's
+        ffn_{gate,up,down}_exps (float32[n_experts, n_rows, n_cols] in numpy order). A view of
+        its bytes in the map, no copy."""
+        if len(self.shape) != 3 or not 0 <= index < self.shape[0]:
+            raise LocalLLMError(
+                f"tensor {self.name} of shape {self.shape} has no matrix {index}; "
+                "the file is inconsistent"
+            )
+        matrix_bytes = self.n_bytes // self.shape[0]
+        return replace(
+            self,
+            name=name,
+            shape=self.shape[1:],
+            offset=self.offset + index * matrix_bytes,
+            n_bytes=matrix_bytes,
+            data=self.data[index],
+        )
+
     def rows(self, start: int, stop: int, name: str) -> TensorInfo:
         """Rows start..stop-1 of a 2-D tensor as a tensor of its own, named `name`: a part of a
         fused matrix (Phi-3's attn_qkv, its gate+up ffn_up). A view of the same bytes, no copy."""

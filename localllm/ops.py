@@ -351,6 +351,25 @@ def heads_per_job(n_tokens: int, n_heads: int, n_kv_heads: int, n_threads: int) 
     return 1
 
 
+@njit(cache=True)
+def softmax_rows(x):
+    """Softmax of every row in place, as ggml_soft_max computes it: expf of x - max, the sum in
+    float64, then a multiplication by its float32 inverse. x: float32[n_rows, n] (MoE routers)."""
+    n_rows, n = x.shape
+    for i in range(n_rows):
+        best = x[i, 0]
+        for j in range(1, n):
+            best = max(best, x[i, j])
+        total = 0.0
+        for j in range(n):
+            e = expf(x[i, j] - best)
+            x[i, j] = e
+            total += e
+        inv = np.float32(1.0 / total)
+        for j in range(n):
+            x[i, j] *= inv
+
+
 @njit(cache=True, error_model="numpy")  # numpy: no zero-division check, so the loop vectorizes
 def _silu_mul_row(gate, up):
     for i in range(gate.shape[0]):

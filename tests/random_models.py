@@ -95,6 +95,10 @@ class Case:
     # granite's multipliers: embedding, attention, residual, logits (the converter's
     # embedding_multiplier, attention_multiplier, residual_multiplier, logits_scaling)
     multipliers: tuple[float, float, float, float] | None = None
+    # MoE (qwen3moe, qwen2moe): experts, experts used per token, expert FFN width, shared
+    # expert width (0: none); the router's logits have a spread of about router_gain
+    moe: tuple[int, int, int, int] | None = None
+    router_gain: float = 2.0
     prompt_lengths: tuple[int, ...] = (24, 90)
     qk_gain: float = 1.5  # q and k projections: output rms / input rms
     qk_norm_gain: float = 1.6  # qwen3: the per-head norm weights (score scale after QK-norm)
@@ -265,6 +269,48 @@ CASES: dict[str, Case] = {
             rms_eps=1e-6,
             prompt_lengths=(30, 100),
         ),
+        Case(
+            "qwen3moe",
+            "qwen3moe",
+            "Qwen3-30B-A3B style: 8 experts of width 64, 2 used per token with their weights "
+            "renormalized, stored as 3-D Q8_0 tensors; per-head q/k norm, head_dim 32 with 4 "
+            "heads (q is 128 wide) on a 64 embedding, tied embeddings",
+            seed=11,
+            dim=64,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=32,
+            ffn_dim=192,
+            context_length=40960,
+            rope_theta=1000000.0,
+            rms_eps=1e-6,
+            tokenizer="qwen",
+            write_head_dim=True,
+            moe=(8, 2, 64, 0),
+            types={"embd": "F16", "output": "F16", "attn": "F16", "ffn": "F16", "experts": "Q8_0"},
+            prompt_lengths=(30, 100),
+        ),
+        Case(
+            "qwen2moe",
+            "qwen2moe",
+            "Qwen2-MoE style: 8 experts of width 64, 2 used per token (weights not renormalized), "
+            "a shared expert of width 128 gated by a sigmoid, q/k/v biases, 4 heads of 16 on a 64 "
+            "embedding, an untied head",
+            seed=12,
+            dim=64,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=16,
+            ffn_dim=256,
+            rope_theta=1000000.0,
+            rms_eps=1e-6,
+            tokenizer="qwen",
+            tied_embeddings=False,
+            embd_std=0.8,
+            output_norm_gain=1.0,
+            moe=(8, 2, 64, 128),
+            prompt_lengths=(30, 100),
+        ),
     )
 }
 
@@ -433,6 +479,10 @@ def _weights(case: Case, rng: np.random.Generator) -> dict[str, tuple[str, np.nd
             tensors[p + "attn_q.weight"] = (attn, q)
             tensors[p + "attn_k.weight"] = (attn, k)
             tensors[p + "attn_v.weight"] = (attn, v)
+        if c.arch == "qwen2moe":  # Qwen2's q/k/v biases
+            for name, n in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
+                bias = (rng.standard_normal(n) * 0.2).astype(np.float32)
+                tensors[p + f"attn_{name}.bias"] = ("F32", bias)
         tensors[p + "attn_output.weight"] = (attn, matrix(c.dim, q_dim, 1.0))
         if c.arch == "olmo2":  # q and k normalized across heads
             tensors[p + "attn_q_norm.weight"] = ("F32", norm(q_dim, 0.2, c.qk_norm_gain))
@@ -440,11 +490,14 @@ def _weights(case: Case, rng: np.random.Generator) -> dict[str, tuple[str, np.nd
         if post_norms:
             gain = c.post_norm_gains[0]
             tensors[p + "post_attention_norm.weight"] = ("F32", norm(c.dim, 0.1 * gain, gain))
-        if c.arch == "qwen3":
+        if c.arch in ("qwen3", "qwen3moe"):
             tensors[p + "attn_q_norm.weight"] = ("F32", norm(c.head_dim, 0.2, c.qk_norm_gain))
             tensors[p + "attn_k_norm.weight"] = ("F32", norm(c.head_dim, 0.2, c.qk_norm_gain))
         if pre_norms:
             tensors[p + "ffn_norm.weight"] = ("F32", norm(c.dim))
+        if c.moe is not None:
+            tensors.update(_moe_weights(c, p, matrix))
+            continue
         gate = matrix(c.ffn_dim, c.dim, 1.0)
         up = matrix(c.ffn_dim, c.dim, 1.0)
         if fused:  # gate rows first, as HF's gate_up_proj.chunk(2) and ggml_swiglu split it
@@ -456,6 +509,28 @@ def _weights(case: Case, rng: np.random.Generator) -> dict[str, tuple[str, np.nd
         if post_norms:
             gain = c.post_norm_gains[1]
             tensors[p + "post_ffw_norm.weight"] = ("F32", norm(c.dim, 0.1 * gain, gain))
+    return tensors
+
+
+def _moe_weights(c: Case, p: str, matrix) -> dict[str, tuple[str, np.ndarray]]:
+    """One layer's router (F32, as the converter keeps ffn_gate_inp), experts stacked into 3-D
+    tensors [n_experts, n_out, n_in] as Qwen2MoeModel stacks them, and the shared expert."""
+    n_experts, _, n_ff, n_shared = c.moe
+    kind = c.types.get("experts", c.types["ffn"])
+    tensors = {p + "ffn_gate_inp.weight": ("F32", matrix(n_experts, c.dim, c.router_gain))}
+    for name, (n_out, n_in) in (
+        ("gate", (n_ff, c.dim)),
+        ("up", (n_ff, c.dim)),
+        ("down", (c.dim, n_ff)),
+    ):
+        stacked = np.stack([matrix(n_out, n_in, 1.0) for _ in range(n_experts)])
+        tensors[p + f"ffn_{name}_exps.weight"] = (kind, stacked)
+    if n_shared:
+        tensors[p + "ffn_gate_inp_shexp.weight"] = ("F32", matrix(1, c.dim, 1.0))
+        ffn = c.types["ffn"]
+        tensors[p + "ffn_gate_shexp.weight"] = (ffn, matrix(n_shared, c.dim, 1.0))
+        tensors[p + "ffn_up_shexp.weight"] = (ffn, matrix(n_shared, c.dim, 1.0))
+        tensors[p + "ffn_down_shexp.weight"] = (ffn, matrix(c.dim, n_shared, 1.0))
     return tensors
 
 
@@ -506,6 +581,13 @@ def write_case(case: Case, path: str | Path, drop: tuple[str, ...] = ()) -> None
     if c.arch in ("llama", "granite", "smollm3"):  # LlamaModel.set_gguf_parameters
         writer.add_vocab_size(len(vocab.tokens))
         writer.add_rope_dimension_count(c.head_dim)
+    if c.moe is not None:  # TextModel and Qwen2MoeModel.set_gguf_parameters
+        n_experts, n_used, n_ff, n_shared = c.moe
+        writer.add_expert_count(n_experts)
+        writer.add_expert_used_count(n_used)
+        writer.add_expert_feed_forward_length(n_ff)
+        if n_shared:
+            writer.add_expert_shared_feed_forward_length(n_shared)
     if c.multipliers is not None:  # GraniteModel.set_gguf_parameters
         embedding, attention, residual, logits = c.multipliers
         writer.add_attention_scale(attention)
@@ -599,6 +681,7 @@ def metadata_summary(case: Case) -> dict[str, Any]:
         "sliding_window": case.sliding_window,
         "softcaps": case.softcaps,
         "multipliers": case.multipliers,
+        "moe": case.moe,
     }
     summary.update({k: v for k, v in extra.items() if v})
     return summary

@@ -314,6 +314,14 @@ def without_post_attention_norms(config):
     return config, drop
 
 
+def without_shared_experts(config):
+    def drop(transformer, model):
+        for layer in transformer.layers:
+            layer.moe.shared_gate = None
+
+    return config, drop
+
+
 # case -> variant -> config -> (config, None or a change to the transformer(transformer, model)):
 # each of a family's particulars undone, or done where llama.cpp does not
 FEATURE_VARIANTS = {
@@ -340,6 +348,14 @@ FEATURE_VARIANTS = {
     },
     "smollm3": {
         "RoPE on every layer": replaced(layer_rope=()),
+    },
+    "qwen3moe": {
+        "weights not renormalized": replaced(expert_weights_norm=False),
+        "one expert per token": replaced(n_experts_used=1),
+    },
+    "qwen2moe": {
+        "weights renormalized": replaced(expert_weights_norm=True),
+        "no shared expert": without_shared_experts,
     },
 }
 
@@ -429,3 +445,60 @@ def test_granite_without_logit_scale_is_one_error_line(tmp_path):
     case = dataclasses.replace(random_models.CASES["granite"], multipliers=None)
     error = one_error_line(tmp_path, case)
     assert "lacks the metadata key 'granite.logit_scale'" in error
+
+
+# ---- mixtures of experts ----
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe"])
+def test_experts_are_views_of_the_3d_tensors(name):
+    """Each expert's matrices are the bytes of its slice of ffn_{gate,up,down}_exps in the map."""
+    model = load_model(FIXTURES / f"{name}.gguf", n_ctx=8, device="cpu")
+    try:
+        tensors = model.gguf.tensors
+        for i, layer in enumerate(model.transformer.layers):
+            assert len(layer.moe.experts) == model.config.n_experts
+            for e, weights in enumerate(layer.moe.experts):
+                for w, kind in zip(weights, ("gate", "up", "down"), strict=True):
+                    stacked = tensors[f"blk.{i}.ffn_{kind}_exps.weight"].data
+                    assert np.shares_memory(w.raw, stacked) and not w.raw.flags.owndata
+                    np.testing.assert_array_equal(w.raw, stacked[e])
+    finally:
+        model.close()
+
+
+def test_only_the_chosen_experts_run():
+    """A decode step multiplies by n_experts_used experts per layer, the router's best ones,
+    and by no other expert matrix: a token reads the active parameters only."""
+    model = load_model(FIXTURES / "qwen3moe.gguf", n_ctx=40, device="cpu")
+    try:
+        transformer, backend = model.transformer, model.transformer.backend
+        prompt = reference("qwen3moe")["greedy"][0]["prompt_ids"]
+        transformer.forward(prompt, 0)
+        used = []
+        original = backend.linear_many
+
+        def recording(x, weights, outs):
+            used.extend(w.name for w in weights if "_exps" in w.name)
+            return original(x, weights, outs)
+
+        backend.linear_many = recording
+        try:
+            transformer.forward([prompt[-1]], len(prompt))
+        finally:
+            backend.linear_many = original
+        c = model.config
+        # gate, up and down of each chosen expert, in each layer, once
+        assert len(used) == len(set(used)) == 3 * c.n_experts_used * c.n_layers
+        for i in range(c.n_layers):
+            experts = {name.split("[")[1] for name in used if name.startswith(f"blk.{i}.")}
+            assert len(experts) == c.n_experts_used
+    finally:
+        model.close()
+
+
+def test_moe_metadata_that_does_not_fit_is_one_error_line(tmp_path):
+    """More experts used than there are: one Error: line naming the keys."""
+    case = dataclasses.replace(random_models.CASES["qwen3moe"], moe=(8, 9, 64, 0))
+    error = one_error_line(tmp_path, case)
+    assert "qwen3moe.expert_used_count 9 exceeds expert_count 8" in error

@@ -7,6 +7,7 @@ runs without a GPU.
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,7 +38,7 @@ def backend_classes() -> list[type]:
 
 def test_the_protocol_lists_what_the_model_calls():
     assert "linear" in PROTOCOL_METHODS and "attention" in PROTOCOL_METHODS
-    assert len(PROTOCOL_METHODS) == 20
+    assert len(PROTOCOL_METHODS) == 22
 
 
 @pytest.mark.parametrize("method", PROTOCOL_METHODS)
@@ -80,3 +81,17 @@ def test_the_model_calls_only_protocol_methods():
     finally:
         model.close()
     assert {"weight", "vector", "zeros", "linear_many", "attention"} <= backend.calls
+
+
+def test_a_mixture_of_experts_calls_only_protocol_methods():
+    """qwen2moe's MoE FFN and shared expert (a random model of tests/fixtures/architectures)."""
+    backend = OnlyTheProtocol()
+    path = Path(__file__).resolve().parent / "fixtures" / "architectures" / "qwen2moe.gguf"
+    model = load_model(path, n_ctx=16, backend=backend)
+    try:
+        logits = model.transformer.forward([5, 17, 63, 8], 0)  # prefill
+        logits = model.transformer.forward([int(np.argmax(logits))], 4)  # one decode step
+        assert np.isfinite(logits).all()
+    finally:
+        model.close()
+    assert {"gather_rows", "scatter_rows", "to_host"} <= backend.calls

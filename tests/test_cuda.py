@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -249,6 +250,26 @@ def test_cuda_attention_gqa_causal_windows(window, start_pos, n_tokens, softcap)
 
 
 @needs_cuda
+def test_cuda_gather_and_scatter_rows():
+    """A MoE expert's rows: gathered from the tokens, scattered back weighted; and in place."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((5, 12)).astype(np.float32)
+    rows, factors = np.array([3, 0, 4]), np.array([0.5, -2.0, 3.0], dtype=np.float32)
+    b, cpu = backend(), CPUBackend()
+    gathered = b.gather_rows(to_device(x), rows, b.zeros((3, 12)))
+    np.testing.assert_array_equal(b.to_host(gathered), x[rows])
+    expected = np.zeros((6, 12), np.float32)
+    cpu.scatter_rows(x[rows], rows + 1, factors, expected)
+    out = b.zeros((6, 12))
+    b.scatter_rows(to_device(x[rows]), rows + 1, factors, out)
+    np.testing.assert_array_equal(b.to_host(out), expected)
+    assert np.abs(expected[rows + 1] - x[rows] * factors[:, None]).max() == 0
+    d = to_device(x[:3])
+    b.scatter_rows(d, np.arange(3), factors, d)  # in place: each row scaled
+    np.testing.assert_array_equal(b.to_host(d), x[:3] * factors[:, None])
+
+
+@needs_cuda
 def test_cuda_elementwise_ops():
     rng = np.random.default_rng(5)
     gate, up = rng.standard_normal((2, 3, 20)).astype(np.float32) * 3
@@ -381,6 +402,33 @@ def test_cuda_forward_matches_cpu(tmp_path):
     np.testing.assert_allclose(cuda, exact, rtol=1e-4, atol=1e-4 * np.abs(exact).max())
     # the real CPU backend: as close as its own rounding of activations allows
     np.testing.assert_allclose(cuda, cpu, atol=0.05 * np.abs(exact).max())
+
+
+ARCH_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "architectures"
+# the families whose particulars have CUDA code paths of their own (softcap, fused views, MoE...)
+ARCH_CASES = ["gemma2", "granite", "olmo2", "phi3", "qwen2moe", "qwen3moe", "smollm3"]
+
+
+@pytest.mark.slow
+@needs_cuda
+@pytest.mark.parametrize("name", ARCH_CASES)
+def test_cuda_runs_each_architecture_as_the_cpu_does(name):
+    """Each random architecture model (tests/fixtures/architectures): a two-chunk prefill and a
+    decode step on CUDA, against the CPU backend without llama.cpp's roundings (float32
+    activations, as the CUDA kernels keep them)."""
+    path = ARCH_FIXTURES / f"{name}.gguf"
+    logits = {}
+    gpu = backend(lanes=1, threads=4) if SIMULATED else backend()
+    for label, b in (("cpu", CPUBackend(llama_cpp_rounding=False)), ("cuda", gpu)):
+        file = read_gguf(path)
+        config = model_config(file.metadata, len(file.metadata["tokenizer.ggml.tokens"]))
+        model = Transformer(file, config, b, n_ctx=8, n_batch=2)
+        prefill = model.forward([5, 17, 63], 0, all_logits=True)
+        logits[label] = np.vstack([prefill, model.forward([7], 3)])
+        file.close()
+    cpu, cuda = logits["cpu"], logits["cuda"]
+    assert cpu.std() > 1.0
+    np.testing.assert_allclose(cuda, cpu, rtol=1e-4, atol=1e-5 * np.abs(cpu).max())
 
 
 # ---- device selection ----

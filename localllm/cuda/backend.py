@@ -227,3 +227,13 @@ class CUDABackend:
 
     def scale(self, x, factor: float) -> None:
         self._elementwise(kernels.scale, x, np.float32(factor))
+
+    def gather_rows(self, x, rows: np.ndarray, out):
+        rows = cuda.to_device(np.ascontiguousarray(rows, dtype=np.int64))
+        self._elementwise(kernels.gather_rows, out, x, rows)
+        return out
+
+    def scatter_rows(self, x, rows: np.ndarray, factors: np.ndarray, out) -> None:
+        rows = cuda.to_device(np.ascontiguousarray(rows, dtype=np.int64))
+        factors = cuda.to_device(np.ascontiguousarray(factors, dtype=np.float32))
+        self._elementwise(kernels.scatter_rows, x, rows, factors, out)

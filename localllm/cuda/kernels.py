@@ -531,6 +531,25 @@ def scale(x, factor):
 
 
 @cuda.jit(cache=True)
+def gather_rows(out, x, rows):
+    """out[t] = x[rows[t]] (one thread per element of out)."""
+    i = cuda.grid(1)
+    n = out.shape[1]
+    if i < out.shape[0] * n:
+        out[i // n, i % n] = x[rows[i // n], i % n]
+
+
+@cuda.jit(cache=True)
+def scatter_rows(x, rows, factors, out):
+    """out[rows[t]] = x[t] * factors[t] (one thread per element of x; rows are distinct)."""
+    i = cuda.grid(1)
+    n = x.shape[1]
+    if i < x.shape[0] * n:
+        t = i // n
+        out[rows[t], i % n] = x[t, i % n] * factors[t]
+
+
+@cuda.jit(cache=True)
 def silu_mul(gate, up):
     """gate = silu(gate) * up (SwiGLU)."""
     i = cuda.grid(1)

@@ -18,7 +18,9 @@ from localllm.models.llama import (
     llama_config,
     mistral_config,
     qwen2_config,
+    qwen2moe_config,
     qwen3_config,
+    qwen3moe_config,
     smollm3_config,
 )
 from localllm.models.olmo2 import olmo2_config
@@ -32,6 +34,8 @@ ARCHITECTURES: dict[str, Callable[[Mapping[str, Any], int], ModelConfig]] = {
     "mistral": mistral_config,
     "qwen2": qwen2_config,
     "qwen3": qwen3_config,
+    "qwen3moe": qwen3moe_config,
+    "qwen2moe": qwen2moe_config,
     "gemma2": gemma2_config,
     "gemma3": gemma3_config,
     "phi3": phi3_config,

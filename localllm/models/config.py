@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -41,6 +42,16 @@ class ModelConfig:
     scale_q: bool = False
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before the softmax (gemma2)
     final_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (gemma2)
+    # Mixture of experts (0 experts: a dense FFN). Each token's router logits go through a
+    # softmax; its n_experts_used best experts (SwiGLU FFNs of expert_ffn_dim) run, their outputs
+    # weighted by those probabilities, renormalized to sum 1 where expert_weights_norm (qwen3moe)
+    # and multiplied by expert_weights_scale where it is set. A shared expert (qwen2moe: its
+    # width is ffn_dim) adds its output, gated by a sigmoid, when the file has one.
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn_dim: int = 0
+    expert_weights_norm: bool = False
+    expert_weights_scale: float = 0.0  # 0: not scaled
     # rope.scaling.original_context_length (default: the training context): LongRoPE uses its
     # long factors when the context is larger
     n_ctx_orig: int = 0
@@ -156,4 +167,24 @@ def rope_scaling(metadata: Mapping[str, Any], arch: str, n_ctx_train: int) -> Ro
         ext_factor=1.0,
         attn_factor=float(f32(yarn_attn * attn_factor)),
         n_ctx_orig=n_ctx_orig,
+    )
+
+
+def moe_config(
+    metadata: Mapping[str, Any], arch: str, config: ModelConfig, **fields
+) -> ModelConfig:
+    """The MoE fields llama.cpp reads for every MoE architecture ({arch}.expert_*)."""
+    n_experts = int_meta(metadata, f"{arch}.expert_count")
+    n_used = int_meta(metadata, f"{arch}.expert_used_count")
+    if n_used > n_experts:
+        raise LocalLLMError(f"{arch}.expert_used_count {n_used} exceeds expert_count {n_experts}")
+    # llama.cpp's default expert width: feed_forward_length / expert_used_count
+    default_width = max(1, config.ffn_dim // n_used)
+    return dataclasses.replace(
+        config,
+        n_experts=n_experts,
+        n_experts_used=n_used,
+        expert_ffn_dim=int_meta(metadata, f"{arch}.expert_feed_forward_length", default_width),
+        expert_weights_scale=float(metadata.get(f"{arch}.expert_weights_scale", 0.0)),
+        **fields,
     )

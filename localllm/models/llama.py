@@ -1,5 +1,5 @@
 """Llama-family architectures: llama (Llama 2/3, Mistral, TinyLlama, SmolLM2), qwen2, qwen3,
-granite, smollm3.
+granite, smollm3, and the Qwen mixtures of experts qwen3moe and qwen2moe.
 
 They share one block: pre-RMSNorm, GQA attention with RoPE, SwiGLU MLP. Qwen2 adds Q/K/V
 biases, which the transformer picks up from the tensors present, and uses NeoX-style RoPE.
@@ -13,6 +13,10 @@ each sub-block's output by `residual_scale` before it joins the residual stream,
 by 1 / `logit_scale`; `rope.scaling.finetuned` false turns RoPE off. SmolLM3 leaves q and k
 unrotated in every 4th layer (layers 3, 7, ...): llama.cpp's n_no_rope_layer_step, a constant
 (no metadata key holds it).
+
+qwen3moe (Qwen3-30B-A3B) is qwen3 with a MoE FFN whose chosen experts' weights are renormalized
+to sum 1; qwen2moe (Qwen1.5/2-MoE) is qwen2 with a MoE FFN (weights not renormalized) plus a
+shared expert of `expert_shared_feed_forward_length`, gated by a sigmoid: as llama.cpp's graphs.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from localllm.models.config import ModelConfig, base_config, meta
+from localllm.models.config import ModelConfig, base_config, int_meta, meta, moe_config
 
 SMOLLM3_NO_ROPE_LAYER_STEP = 4
 
@@ -65,3 +69,14 @@ def smollm3_config(metadata: Mapping[str, Any], vocab_size: int) -> ModelConfig:
     return dataclasses.replace(
         config, layer_rope=tuple((i + 1) % step != 0 for i in range(config.n_layers))
     )
+
+
+def qwen3moe_config(metadata: Mapping[str, Any], vocab_size: int) -> ModelConfig:
+    config = base_config(metadata, "qwen3moe", vocab_size, rope_neox=True, qk_norm="head")
+    return moe_config(metadata, "qwen3moe", config, expert_weights_norm=True)
+
+
+def qwen2moe_config(metadata: Mapping[str, Any], vocab_size: int) -> ModelConfig:
+    config = base_config(metadata, "qwen2moe", vocab_size, rope_neox=True)
+    shared = int_meta(metadata, "qwen2moe.expert_shared_feed_forward_length", config.ffn_dim)
+    return moe_config(metadata, "qwen2moe", config, ffn_dim=shared)

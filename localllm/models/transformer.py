@@ -3,10 +3,11 @@
 Optional pieces are chosen by the tensors the file holds: Q/K/V biases (qwen2), post-norms
 (gemma3), RoPE frequency factors (rope_freqs, Llama 3.1+; LongRoPE's rope_factors_long/short,
 Phi-3), fused Q/K/V and gate/up matrices (Phi-3: split into row views of the one mapped tensor),
-a separate output matrix (else the embedding is tied). By the config: QK-norm per head (gemma3,
-qwen3) or across heads (olmo2), no pre-norms (olmo2), scaled residuals and logits (granite),
-softcaps (gemma2), layers without RoPE (smollm3). All buffers are allocated here, once; `forward`
-only fills them.
+a separate output matrix (else the embedding is tied), a MoE's shared expert (qwen2moe). By the
+config: mixture-of-experts FFNs (qwen3moe, qwen2moe: each expert a view of the 3-D tensors),
+QK-norm per head (gemma3, qwen3) or across heads (olmo2), no pre-norms (olmo2), scaled residuals
+and logits (granite), softcaps (gemma2), layers without RoPE (smollm3). All buffers are allocated
+here, once; `forward` only fills them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from localllm import ops
 from localllm.errors import LocalLLMError
 from localllm.gguf import GGUFFile
 from localllm.kv_cache import KVCache
@@ -32,9 +34,10 @@ class Layer:
     wv: object
     wo: object
     ffn_norm: np.ndarray | None  # float32[dim]
-    w_gate: object
+    w_gate: object  # None in a MoE layer without a shared expert, else its weights
     w_up: object
     w_down: object
+    moe: MoE | None = None
     bq: np.ndarray | None = None  # float32[n_heads * head_dim]
     bk: np.ndarray | None = None  # float32[n_kv_heads * head_dim]
     bv: np.ndarray | None = None
@@ -42,6 +45,16 @@ class Layer:
     k_norm: np.ndarray | None = None  # float32[head_dim], or [n_kv_heads * head_dim]
     post_attn_norm: np.ndarray | None = None  # float32[dim]
     post_ffn_norm: np.ndarray | None = None
+
+
+@dataclass
+class MoE:
+    """A mixture-of-experts FFN's weights: the router and each expert's three matrices, views of
+    the 3-D ffn_{gate,up,down}_exps tensors (only the chosen experts' bytes are read)."""
+
+    router: object  # ffn_gate_inp: [n_experts, dim]
+    experts: list[tuple]  # per expert: (w_gate [expert_ffn, dim], w_up, w_down [dim, expert_ffn])
+    shared_gate: object | None = None  # ffn_gate_inp_shexp as a [1, dim] weight (qwen2moe)
 
 
 class Scratch:
@@ -59,6 +72,16 @@ class Scratch:
         self.gate = zeros((n_batch, c.ffn_dim))
         self.up = zeros((n_batch, c.ffn_dim))
         self.logits = zeros((n_batch, c.vocab_size))  # only row 0 is used, except by all_logits
+        if c.n_experts:  # an expert runs on the rows of the tokens that chose it
+            self.router = zeros((n_batch, c.n_experts))
+            self.expert_in = zeros((n_batch, c.dim))
+            self.expert_gate = zeros((n_batch, c.expert_ffn_dim))
+            self.expert_up = zeros((n_batch, c.expert_ffn_dim))
+            self.expert_out = zeros((n_batch, c.dim))
+            # weighted expert outputs by (rank, token), rank-major: block 0 becomes the sum
+            self.expert_rows = zeros((c.n_experts_used * n_batch, c.dim))
+            self.shared = zeros((n_batch, c.dim))  # the shared expert's output
+            self.shared_gate = zeros((n_batch, 1))
 
 
 class Transformer:
@@ -151,7 +174,17 @@ class Transformer:
         c = self.config
         qk_norm, pre_norm = c.qk_norm != "none", c.pre_norm
         wq, wk, wv = self._qkv(p)
-        w_gate, w_up = self._gate_up(p)
+        moe, w_gate, w_up, w_down = None, None, None, None
+        if c.n_experts:
+            moe = self._moe(p)
+            if p + "ffn_gate_shexp.weight" in self._tensors:
+                w_gate, w_up, w_down = (
+                    b.weight(self._tensor(p + f"ffn_{x}_shexp.weight"))
+                    for x in ("gate", "up", "down")
+                )
+        else:
+            w_gate, w_up = self._gate_up(p)
+            w_down = b.weight(self._tensor(p + "ffn_down.weight"))
         return Layer(
             attn_norm=b.vector(self._tensor(p + "attn_norm.weight")) if pre_norm else None,
             wq=wq,
@@ -161,7 +194,8 @@ class Transformer:
             ffn_norm=b.vector(self._tensor(p + "ffn_norm.weight")) if pre_norm else None,
             w_gate=w_gate,
             w_up=w_up,
-            w_down=b.weight(self._tensor(p + "ffn_down.weight")),
+            w_down=w_down,
+            moe=moe,
             bq=self._optional_vector(p + "attn_q.bias"),
             bk=self._optional_vector(p + "attn_k.bias"),
             bv=self._optional_vector(p + "attn_v.bias"),
@@ -170,6 +204,47 @@ class Transformer:
             post_attn_norm=self._optional_vector(p + "post_attention_norm.weight"),
             post_ffn_norm=self._optional_vector(p + "post_ffw_norm.weight"),
         )
+
+    def _moe(self, p: str) -> MoE:
+        """The router and the experts (views of the 3-D expert tensors), checked against the
+        metadata; the shared expert's gate (qwen2moe) when the file has one."""
+        c, b = self.config, self.backend
+        router = b.weight(self._tensor(p + "ffn_gate_inp.weight"))
+        if (router.n_rows, router.n_cols) != (c.n_experts, c.dim):
+            raise LocalLLMError(
+                f"tensor {router.name} has shape ({router.n_rows}, {router.n_cols}), not "
+                f"({c.n_experts}, {c.dim}) as the metadata says; the file is inconsistent"
+            )
+        stacks = {}
+        for kind, shape in (
+            ("gate", (c.expert_ffn_dim, c.dim)),
+            ("up", (c.expert_ffn_dim, c.dim)),
+            ("down", (c.dim, c.expert_ffn_dim)),
+        ):
+            tensor = self._tensor(p + f"ffn_{kind}_exps.weight")
+            if tuple(tensor.shape) != (c.n_experts, *shape):
+                raise LocalLLMError(
+                    f"tensor {tensor.name} has shape {tensor.shape}, not {(c.n_experts, *shape)} "
+                    "as the metadata says; the file is inconsistent"
+                )
+            stacks[kind] = tensor
+        experts = [
+            tuple(
+                b.weight(stacks[kind].matrix(e, f"{stacks[kind].name}[{e}]"))
+                for kind in ("gate", "up", "down")
+            )
+            for e in range(c.n_experts)
+        ]
+        shared_gate = self._tensors.get(p + "ffn_gate_inp_shexp.weight")
+        if shared_gate is not None:  # [dim] (or [1, dim]): a one-row matrix
+            if int(np.prod(shared_gate.shape)) != c.dim:
+                raise LocalLLMError(f"tensor {shared_gate.name} should hold {c.dim} values")
+            shared_gate = b.weight(
+                dataclasses.replace(
+                    shared_gate, shape=(1, c.dim), data=shared_gate.data.reshape(1, -1)
+                )
+            )
+        return MoE(router, experts, shared_gate)
 
     def _check_shapes(self) -> None:
         """Fail at load, with the tensor's name, rather than inside a kernel."""
@@ -182,10 +257,13 @@ class Transformer:
                 (layer.wk, c.dim, kv_dim),
                 (layer.wv, c.dim, kv_dim),
                 (layer.wo, q_dim, c.dim),
-                (layer.w_gate, c.dim, c.ffn_dim),
-                (layer.w_up, c.dim, c.ffn_dim),
-                (layer.w_down, c.ffn_dim, c.dim),
             ]
+            if layer.w_gate is not None:  # a dense FFN or a MoE's shared expert
+                expected += [
+                    (layer.w_gate, c.dim, c.ffn_dim),
+                    (layer.w_up, c.dim, c.ffn_dim),
+                    (layer.w_down, c.ffn_dim, c.dim),
+                ]
         for w, n_cols, n_rows in expected:
             if w.n_cols != n_cols or (n_rows is not None and w.n_rows != n_rows):
                 raise LocalLLMError(
@@ -344,14 +422,66 @@ class Transformer:
         b, c, s = self.backend, self.config, self.scratch
         n = x.shape[0]
         h = x if layer.ffn_norm is None else b.rmsnorm(x, layer.ffn_norm, c.rms_eps, s.h[:n])
-        gate, up = b.linear_many(h, (layer.w_gate, layer.w_up), (s.gate[:n], s.up[:n]))
-        if c.activation == "gelu":
-            b.gelu_mul(gate, up)
-        else:
-            b.silu_mul(gate, up)
-        o = b.linear(gate, layer.w_down, s.o[:n])
+        o = self._dense_ffn(layer, h, s.o[:n]) if layer.moe is None else self._moe_ffn(layer, h)
         if layer.post_ffn_norm is not None:
             b.rmsnorm(o, layer.post_ffn_norm, c.rms_eps, o)
         if c.residual_scale != 1.0:
             b.scale(o, c.residual_scale)
         b.add(x, o)
+
+    def _dense_ffn(self, layer: Layer, h, out):
+        """out = down(act(gate(h)) * up(h)): the FFN, or a MoE's shared expert."""
+        b, c, s = self.backend, self.config, self.scratch
+        n = h.shape[0]
+        gate, up = b.linear_many(h, (layer.w_gate, layer.w_up), (s.gate[:n], s.up[:n]))
+        if c.activation == "gelu":
+            b.gelu_mul(gate, up)
+        else:
+            b.silu_mul(gate, up)
+        return b.linear(gate, layer.w_down, out)
+
+    def _moe_ffn(self, layer: Layer, h):
+        """The mixture of experts of llama.cpp's build_moe_ffn: router logits -> softmax -> the
+        n_experts_used most probable experts of each token -> their SwiGLU FFNs, weighted by the
+        (renormalized) probabilities, summed in rank order as ggml sums them; plus the shared
+        expert's output times sigmoid(shared gate) where there is one.
+
+        The routing runs on the host (n_experts values per token). Then each expert some token
+        chose runs once, on the rows of the tokens that chose it (gathered): only the chosen
+        experts' bytes are read, so decode speed follows the active parameters, and a prefill
+        reads each chosen expert once per chunk. Its weighted outputs land in rank-major rows of
+        s.expert_rows (rank r of token t: row r * n + t), whose first block is the sum.
+        """
+        b, c, s = self.backend, self.config, self.scratch
+        moe, k = layer.moe, c.n_experts_used
+        n = h.shape[0]
+        probs = b.to_host(b.linear(h, moe.router, s.router[:n]))  # float32[n, n_experts]
+        ops.softmax_rows(probs)
+        chosen = np.argsort(-probs, axis=1, kind="stable")[:, :k]  # int64[n, k]
+        weights = np.take_along_axis(probs, chosen, axis=1)  # float32[n, k]
+        if c.expert_weights_norm:
+            total = weights.sum(axis=1, dtype=np.float64, keepdims=True).astype(np.float32)
+            weights = weights / total
+        if c.expert_weights_scale not in (0.0, 1.0):
+            weights = weights * np.float32(c.expert_weights_scale)
+        rows = s.expert_rows[: k * n]
+        for expert in np.unique(chosen):
+            tokens, ranks = np.nonzero(chosen == expert)
+            m = len(tokens)
+            w_gate, w_up, w_down = moe.experts[expert]
+            x = b.gather_rows(h, tokens, s.expert_in[:m])
+            gate, up = b.linear_many(x, (w_gate, w_up), (s.expert_gate[:m], s.expert_up[:m]))
+            b.silu_mul(gate, up)
+            y = b.linear(gate, w_down, s.expert_out[:m])
+            b.scatter_rows(y, ranks * n + tokens, weights[tokens, ranks], rows)
+        o = rows[:n]
+        for rank in range(1, k):
+            b.add(o, rows[rank * n : (rank + 1) * n])
+        if moe.shared_gate is not None:
+            shared = self._dense_ffn(layer, h, s.shared[:n])
+            g = b.to_host(b.linear(h, moe.shared_gate, s.shared_gate[:n]))[:, 0]
+            # sigmoid as llama.cpp's qwen2moe graph computes it: silu(g) / g
+            sigmoid = g / (np.float32(1.0) + np.exp(-g)) / g
+            b.scatter_rows(shared, np.arange(n), sigmoid, shared)
+            b.add(o, shared)
+        return o
