@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from llvmlite import ir
 from numba import get_thread_id, njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from localllm.quants.activations import f16_bits, round_f16
@@ -250,6 +251,40 @@ def _half_bits_to_f32(typingctx, bits):
     return None
 
 
+@intrinsic
+def prefetch(typingctx, array, index, offset):
+    """Ask the CPU to start loading the cache line `offset` bytes into array[index] (index into
+    the first dimension): a hint with no effect on the results."""
+    if (
+        isinstance(array, types.Array)
+        and isinstance(index, types.Integer)
+        and isinstance(offset, types.Integer)
+    ):
+
+        def codegen(context, builder, signature, args):
+            arr = context.make_array(signature.args[0])(context, builder, args[0])
+            stride = builder.extract_value(arr.strides, 0)
+            i = context.cast(builder, args[1], signature.args[1], types.intp)
+            byte = context.cast(builder, args[2], signature.args[2], types.intp)
+            base = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
+            at = builder.gep(base, [builder.add(builder.mul(i, stride), byte)])
+            i32 = ir.IntType(32)
+            fn = cgutils.get_or_insert_function(
+                builder.module,
+                ir.FunctionType(ir.VoidType(), [at.type, i32, i32, i32]),
+                "llvm.prefetch.p0",
+            )
+            builder.call(fn, [at, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return types.void(array, index, offset), codegen
+    return None
+
+
+# K/V rows this many positions ahead are prefetched while attention reads a long cache
+KV_PREFETCH = 16
+
+
 def kv_value(x):
     """A KV cache element as float32: IEEE half bits (uint16) converted, float32 as it is."""
 
@@ -306,7 +341,12 @@ def attention(
             first = pos - window + 1
         thread = get_thread_id()
         s, x = scores[thread], row[thread]
+        row_start = kv * head_dim * k_cache.itemsize  # bytes of this K/V head in a cache row
+        row_end = row_start + head_dim * k_cache.itemsize
         for j in range(first, pos + 1):
+            if j + KV_PREFETCH <= pos:  # this head's row, KV_PREFETCH positions on
+                for line in range(row_start, row_end, 64):
+                    prefetch(k_cache, j + KV_PREFETCH, line)
             for d in range(head_dim):
                 x[d] = kv_value(k_cache[j, kv, d])
             for g in range(heads_per_job):
@@ -333,6 +373,9 @@ def attention(
             for d in range(head_dim):
                 out[t, h0 + g, d] = 0.0
         for j in range(first, pos + 1):
+            if j + KV_PREFETCH <= pos:  # this head's row, KV_PREFETCH positions on
+                for line in range(row_start, row_end, 64):
+                    prefetch(v_cache, j + KV_PREFETCH, line)
             for d in range(head_dim):
                 x[d] = kv_value(v_cache[j, kv, d])
             for g in range(heads_per_job):
