@@ -1,9 +1,16 @@
-"""The part of Ollama's native API that `localllm ps` and `localllm stop` use, in Ollama's wire
-format: GET /api/ps (the models loaded now) and POST /api/generate with `keep_alive: 0` and no
-prompt (unload a model). Errors here come in Ollama's shape, {"error": "..."}.
+"""Ollama's native API, in Ollama's wire format (its docs/api.md), on the same server:
 
-The rest of Ollama's API (generating with /api/generate, /api/chat, /api/tags, ...) is a later
-issue; until then every other /api/generate body is answered 501.
+    POST /api/chat, /api/generate   NDJSON streams (or one object with "stream": false)
+    GET  /api/tags, POST /api/show  the served models; one model's details and model_info
+    GET  /api/ps, /api/version      the loaded models; the version
+    POST /api/generate {"model": NAME, "keep_alive": 0} with no prompt unloads a model
+
+`options` takes temperature, top_k, top_p, min_p, seed, stop, num_predict, repeat_penalty,
+repeat_last_n, presence_penalty and frequency_penalty with Ollama's defaults; num_ctx is accepted
+and the server's own context (`serve -c`) applies. `format`, `tools` and images are answered 400
+(not supported yet). `think` reaches a thinking model's template and its thoughts come back in
+`thinking`. Errors come in Ollama's shape, {"error": "..."}: 400 for a bad request (malformed
+JSON, wrong types, a prompt longer than the context), 404 for an unknown model.
 """
 
 from __future__ import annotations
@@ -11,12 +18,16 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from localllm.errors import LocalLLMError
 from localllm.server_engine import EngineBusy
 
 if TYPE_CHECKING:
@@ -88,15 +99,12 @@ def is_zero_keep_alive(value: Any) -> bool:
     return isinstance(value, str) and _ZERO_DURATION.fullmatch(value) is not None
 
 
-async def generate(request: Request) -> JSONResponse:
-    """POST /api/generate. Only Ollama's unload request is served so far:
-    {"model": NAME, "keep_alive": 0} with no prompt."""
-    try:
-        body = json.loads(await request.body())
-    except ValueError as e:  # also UnicodeDecodeError
-        return _error(400, f"the request body is not valid JSON: {e}")
-    if not isinstance(body, dict):
-        return _error(400, "the request body must be a JSON object")
+async def generate(request: Request) -> Response:
+    """POST /api/generate: a completion of `prompt` (through the chat template with `system`,
+    or as it is with "raw": true), or, with no prompt and keep_alive 0, an unload."""
+    body, error = await _body(request)
+    if error is not None:
+        return error
     name = body.get("model")
     if not isinstance(name, str) or not name:
         return _error(400, "model is required")
@@ -104,15 +112,323 @@ async def generate(request: Request) -> JSONResponse:
     served = await asyncio.to_thread(pool.find, name)
     if served is None:
         return _error(404, f"model '{name}' not found")
-    # The rest of Ollama's API is a later issue: generating here, and loading (no prompt and no
-    # keep_alive 0), are not served yet.
-    if body.get("prompt") or not is_zero_keep_alive(body.get("keep_alive")):
-        return _error(
-            501,
-            "not implemented yet: /api/generate only unloads a model so far "
-            '({"model": NAME, "keep_alive": 0}); generate with POST /v1/completions or '
-            "/v1/chat/completions",
+    prompt = body.get("prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        return _error(400, "prompt must be a string")
+    if not prompt:
+        if is_zero_keep_alive(body.get("keep_alive")):
+            return await _unload(pool, served)
+        # Ollama's "load a model" request: load it and answer done.
+        await pool.load(served)
+        return JSONResponse(
+            _final(served.id, "load", None, _Timing(time.perf_counter(), 0), "response")
         )
+    system = body.get("system")
+    if system is not None and not isinstance(system, str):
+        return _error(400, "system must be a string")
+    raw = body.get("raw") is True
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": prompt}
+    ]
+    return await _generation(request, body, served, messages, raw, "response")
+
+
+async def chat(request: Request) -> Response:
+    """POST /api/chat: the next assistant message of `messages`."""
+    body, error = await _body(request)
+    if error is not None:
+        return error
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        return _error(400, "model is required")
+    messages = body.get("messages", [])
+    if not isinstance(messages, list):
+        return _error(400, "messages must be a list")
+    turns = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return _error(400, f"messages[{i}] must be an object with a role")
+        content = m.get("content", "")
+        if not isinstance(content, str):
+            return _error(400, f"messages[{i}].content must be a string")
+        if m.get("images"):
+            return _error(400, "images are not supported: localllm runs text models")
+        if m.get("tool_calls") or m["role"] == "tool":
+            return _error(400, "tool calls are not supported yet")
+        turns.append({"role": m["role"], "content": content})
+    served = await asyncio.to_thread(_pool(request).find, name)
+    if served is None:
+        return _error(404, f"model '{name}' not found")
+    if not turns:  # Ollama: an empty chat loads the model
+        await _pool(request).load(served)
+        return JSONResponse(
+            _final(served.id, "load", None, _Timing(time.perf_counter(), 0), "message")
+        )
+    return await _generation(request, body, served, turns, False, "message")
+
+
+async def _body(request: Request) -> tuple[dict, None] | tuple[None, JSONResponse]:
+    try:
+        body = json.loads(await request.body())
+    except ValueError as e:  # also UnicodeDecodeError
+        return None, _error(400, f"the request body is not valid JSON: {e}")
+    if not isinstance(body, dict):
+        return None, _error(400, "the request body must be a JSON object")
+    return body, None
+
+
+# Ollama's defaults for what `options` leaves out (its api/types.go DefaultOptions).
+OPTION_DEFAULTS = {
+    "temperature": 0.8,
+    "top_k": 40,
+    "top_p": 0.9,
+    "min_p": 0.0,
+    "repeat_penalty": 1.1,
+    "repeat_last_n": 64,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "num_predict": -1,
+}
+_NUMBER_OPTIONS = {"temperature", "top_p", "min_p", "repeat_penalty"}
+_NUMBER_OPTIONS |= {"presence_penalty", "frequency_penalty"}
+_INT_OPTIONS = {"top_k", "repeat_last_n", "num_predict", "seed", "num_ctx"}
+
+
+def _options(body: dict) -> dict[str, Any]:
+    """The request's `options` over Ollama's defaults, type-checked (ValueError says which)."""
+    given = body.get("options") or {}
+    if not isinstance(given, dict):
+        raise ValueError("options must be an object")
+    options = dict(OPTION_DEFAULTS)
+    for key, value in given.items():
+        if key in _NUMBER_OPTIONS:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"option {key} must be a number")
+        elif key in _INT_OPTIONS:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"option {key} must be an integer")
+        elif key == "stop" and (
+            not isinstance(value, list) or not all(isinstance(v, str) for v in value)
+        ):
+            raise ValueError("option stop must be a list of strings")
+        # Ollama ignores options it does not know (num_gpu, num_thread, ...); so does this.
+        options[key] = value
+    return options
+
+
+async def _generation(
+    request: Request, body: dict, served, messages: list[dict], raw: bool, field: str
+) -> Response:
+    """Run one generation for /api/chat (field "message") or /api/generate ("response")."""
+    from localllm.sampling import make_logits_processors, make_sampler
+    from localllm.server import _checked_out, _Job, _until_disconnected
+    from localllm.server_engine import Generation
+    from localllm.server_schema import completion_id
+
+    if body.get("format"):
+        return _error(400, "format (JSON output) is not supported yet")
+    if body.get("tools"):
+        return _error(400, "tools are not supported yet")
+    if body.get("images"):
+        return _error(400, "images are not supported: localllm runs text models")
+    stream = body.get("stream", True)
+    think = body.get("think")
+    if not isinstance(stream, bool) or (think is not None and not isinstance(think, bool)):
+        return _error(400, "stream and think must be true or false")
+    try:
+        options = _options(body)
+        seed = options.get("seed")
+        sampler = make_sampler(
+            options["temperature"],
+            max(options["top_k"], 0),
+            options["top_p"],
+            options["min_p"],
+            None if seed is None or seed < 0 else seed,
+        )
+        processors = make_logits_processors(
+            repeat_penalty=options["repeat_penalty"],
+            repeat_last_n=options["repeat_last_n"],
+            presence_penalty=options["presence_penalty"],
+            frequency_penalty=options["frequency_penalty"],
+        )
+    except (ValueError, LocalLLMError) as e:
+        return _error(400, str(e))
+    state = request.app.state.localllm
+    state.engine.check_room()
+    start = time.perf_counter()
+    model = await state.pool.load(served)
+    timing = _Timing(start, time.perf_counter() - start)
+
+    def build_ids(model) -> tuple[list[int], bool, bool]:
+        from localllm.prompt import chat_prompt_ids, chat_template, raw_prompt_ids
+        from localllm.thinking import prompt_opens_thinking, template_thinks
+
+        if raw:
+            return raw_prompt_ids(model, messages[-1]["content"]), False, False
+        thinks = template_thinks(chat_template(model).source)
+        extra = {"enable_thinking": think} if think is not None and thinks else {}
+        ids = chat_prompt_ids(model, messages, **extra)
+        inside = thinks and prompt_opens_thinking(model.tokenizer.decode(ids[-16:]))
+        return ids, thinks, inside
+
+    try:
+        prompt_ids, thinks, inside = await asyncio.to_thread(build_ids, model)
+    except LocalLLMError as e:
+        return _error(400, str(e))
+    n_ctx = model.n_ctx
+    if len(prompt_ids) >= n_ctx:
+        return _error(
+            400,
+            f"the prompt is {len(prompt_ids)} tokens, more than the context of {n_ctx} leaves "
+            "room for; shorten it or serve the model with a larger -c",
+        )
+    room = n_ctx - len(prompt_ids)
+    predict = options["num_predict"]
+    max_tokens = room if predict is None or predict < 0 else min(predict, room)
+    job = _Job(
+        served,
+        model,
+        prompt_ids,
+        max_tokens,
+        sampler,
+        processors,
+        list(options.get("stop") or []),
+        None,
+        id=completion_id("ollama"),
+    )
+    gen = Generation(state.engine, partial(_checked_out, state.pool, job))
+    show_thinking = thinks and think is not False
+    if stream:
+        return StreamingResponse(
+            _ndjson(gen, served.id, field, timing, thinks, inside, show_thinking),
+            media_type="application/x-ndjson",
+        )
+    collect = asyncio.ensure_future(_collect(gen, thinks, inside, timing))
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not collect.done():
+            collect.cancel()
+            gen.cancel()
+    if collect not in done:
+        return Response(status_code=499)
+    try:
+        thoughts, text, last = collect.result()
+    except LocalLLMError as e:
+        return _error(500, str(e))
+    final = _final(served.id, last.finish_reason, last, timing, field)
+    final[field] = _part(field, text, thoughts if show_thinking else "")
+    return JSONResponse(final)
+
+
+def _part(field: str, text: str, thinking: str) -> Any:
+    """The generated part: a message for /api/chat, the response text for /api/generate."""
+    if field == "message":
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if thinking:
+            message["thinking"] = thinking
+        return message
+    return text
+
+
+@dataclass
+class _Timing:
+    """When a generation started, how long its model took to load, when its first piece came."""
+
+    start: float
+    load_s: float
+    first: float | None = None
+
+
+def _loaded(model_id: str, field: str) -> dict[str, Any]:
+    """The answer to a request that only loads a model (no prompt, or no messages)."""
+    return _final(model_id, "load", None, _Timing(time.perf_counter(), 0.0), field)
+
+
+def _final(model_id: str, reason: str | None, last, timing: _Timing, field: str) -> dict:
+    """The last object of a generation: done, done_reason and Ollama's counts and durations
+    (nanoseconds; the prompt's evaluation lasts until the first piece arrives)."""
+    end = time.perf_counter()
+    first = timing.first or end
+    body: dict[str, Any] = {
+        "model": model_id,
+        "created_at": timestamp(datetime.now(timezone.utc)),
+        field: _part(field, "", ""),
+        "done": True,
+        "done_reason": reason or "stop",
+        "total_duration": int((end - timing.start) * 1e9),
+        "load_duration": int(timing.load_s * 1e9),
+    }
+    if last is not None:
+        body["prompt_eval_count"] = last.prompt_tokens
+        body["prompt_eval_duration"] = int(max(first - timing.start - timing.load_s, 0) * 1e9)
+        body["eval_count"] = last.completion_tokens
+        body["eval_duration"] = int((end - first) * 1e9)
+    return body
+
+
+async def _collect(gen, thinks: bool, inside: bool, timing: _Timing):
+    from localllm.thinking import ThinkingSplitter
+
+    splitter = ThinkingSplitter(inside)
+    splitter.done = not thinks
+    parts = {"thinking": [], "content": []}
+    last = None
+    try:
+        async for step in gen:
+            timing.first = timing.first or time.perf_counter()
+            for kind, piece in splitter.feed(step.text):
+                parts[kind].append(piece)
+            last = step
+    finally:
+        gen.cancel()
+    for kind, piece in splitter.flush():
+        parts[kind].append(piece)
+    if last is None:
+        raise LocalLLMError("the generation ended without a result")
+    return "".join(parts["thinking"]).strip(), "".join(parts["content"]), last
+
+
+async def _ndjson(gen, model_id, field, timing, thinks, inside, show_thinking):
+    """One JSON object per line: a piece of the reply each, then the final one. Starlette
+    cancels this when the client goes away, which cancels the generation."""
+    from localllm.thinking import ThinkingSplitter
+
+    splitter = ThinkingSplitter(inside)
+    splitter.done = not thinks
+
+    def line(kind: str, piece: str) -> str:
+        part = _part(field, piece if kind == "content" else "", piece if kind != "content" else "")
+        if field == "response" and kind != "content":
+            body = {"model": model_id, "created_at": timestamp(datetime.now(timezone.utc)),
+                    "response": "", "thinking": piece, "done": False}  # fmt: skip
+        else:
+            body = {"model": model_id, "created_at": timestamp(datetime.now(timezone.utc)),
+                    field: part, "done": False}  # fmt: skip
+        return json.dumps(body, ensure_ascii=False) + "\n"
+
+    try:
+        last = None
+        async for step in gen:
+            timing.first = timing.first or time.perf_counter()
+            last = step
+            for kind, piece in splitter.feed(step.text):
+                if kind == "content" or show_thinking:
+                    yield line(kind, piece)
+        for kind, piece in splitter.flush():
+            if kind == "content" or show_thinking:
+                yield line(kind, piece)
+        reason = last.finish_reason if last is not None else "stop"
+        yield json.dumps(_final(model_id, reason, last, timing, field)) + "\n"
+    except Exception as e:  # headers are sent: report in-band, as Ollama does
+        yield json.dumps({"error": str(e)}) + "\n"
+    finally:
+        gen.cancel()
+
+
+async def _unload(pool, served) -> JSONResponse:
     try:
         # At once when idle; else once the requests running on it end (this does not wait).
         await pool.unload(served)
@@ -127,3 +443,107 @@ async def generate(request: Request) -> JSONResponse:
             "done_reason": "unload",
         }
     )
+
+
+# -- the models -----------------------------------------------------------------------------
+
+
+def _describe(served) -> dict[str, Any]:
+    """A served model as Ollama's /api/tags and /api/show describe it, from the GGUF itself."""
+    from localllm.describe import describe_model, format_count
+    from localllm.gguf import read_gguf
+    from localllm.thinking import template_thinks
+
+    with read_gguf(served.path) as gguf:  # mapped: the weights are not read
+        info = describe_model(gguf)
+        metadata = {
+            k: v
+            for k, v in gguf.metadata.items()
+            if not k.startswith("tokenizer.") and not (hasattr(v, "__len__") and len(v) > 64)
+        }
+    arch = info["architecture"] or ""
+    details = {
+        "parent_model": "",
+        "format": "gguf",
+        "family": arch,
+        "families": [arch],
+        "parameter_size": format_count(info["parameters"]),
+        "quantization_level": info["quantization"] or "",
+    }
+    capabilities = ["completion"]
+    if template_thinks(info["chat_template"] or ""):
+        capabilities.append("thinking")
+    model_info = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in metadata.items()}
+    model_info["general.parameter_count"] = info["parameters"]
+    return {
+        "details": details,
+        "template": info["chat_template"] or "",
+        "license": info["license"] or "",
+        "model_info": model_info,
+        "capabilities": capabilities,
+    }
+
+
+def _modified(path) -> str:
+    return timestamp(datetime.fromtimestamp(path.stat().st_mtime, timezone.utc))
+
+
+async def tags(request: Request) -> JSONResponse:
+    """GET /api/tags: the models this server answers for."""
+    pool = _pool(request)
+    models = []
+    for served in await asyncio.to_thread(pool.list):
+        try:
+            described = await asyncio.to_thread(_describe, served)
+            digest = await asyncio.to_thread(pool.digest, served.path)
+        except LocalLLMError:  # a broken file is left out of the list, not a 500
+            continue
+        models.append(
+            {
+                "name": served.id,
+                "model": served.id,
+                "modified_at": _modified(served.path),
+                "size": served.path.stat().st_size,
+                "digest": digest,
+                "details": described["details"],
+            }
+        )
+    return JSONResponse({"models": models})
+
+
+async def show(request: Request) -> JSONResponse:
+    """POST /api/show {"model": NAME}: details, model_info (context length and the rest of the
+    metadata, vocabulary left out), template, license and capabilities."""
+    body, error = await _body(request)
+    if error is not None:
+        return error
+    name = body.get("model") or body.get("name")  # "name" is the older spelling
+    if not isinstance(name, str) or not name:
+        return _error(400, "model is required")
+    served = await asyncio.to_thread(_pool(request).find, name)
+    if served is None:
+        return _error(404, f"model '{name}' not found")
+    try:
+        described = await asyncio.to_thread(_describe, served)
+    except LocalLLMError as e:
+        return _error(500, str(e))
+    return JSONResponse(
+        {
+            "modelfile": f"FROM {served.path}\n",
+            "parameters": "",
+            **described,
+            "modified_at": _modified(served.path),
+        }
+    )
+
+
+async def version(request: Request) -> JSONResponse:
+    """GET /api/version: localllm's version."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        number = package_version("localllm")
+    except PackageNotFoundError:
+        number = "0.0.0"
+    return JSONResponse({"version": number})

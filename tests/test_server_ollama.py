@@ -1,0 +1,115 @@
+"""Ollama's API on `localllm serve`, driven by the official `ollama` client on a real model:
+tags, show, chat and generate (streamed and not), ps, version, and Ollama's error shape."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import ollama
+import pytest
+from live_server import N_CTX, running_server
+from real_models import model_path
+
+from localllm.generate import generate
+from localllm.models import load_model
+from localllm.prompt import chat_prompt_ids
+
+MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
+HELLO = [{"role": "user", "content": "Say hello."}]
+TOO_LONG = [{"role": "user", "content": "x " * 2000}]
+GREEDY = {"temperature": 0, "repeat_penalty": 1.0, "num_predict": 12}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(parallel=2, max_queue=4) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server) -> ollama.Client:
+    return ollama.Client(host=server, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def expected() -> str:
+    """What greedy decoding of HELLO gives, run here without the server."""
+    model = load_model(model_path("smollm2-135m"), n_ctx=N_CTX, device="cpu")
+    try:
+        ids = chat_prompt_ids(model, HELLO)
+        return generate(model, ids, max_tokens=GREEDY["num_predict"])
+    finally:
+        model.close()
+
+
+def test_tags_and_show(client):
+    models = client.list().models
+    assert [m.model for m in models] == [MODEL_ID]
+    assert models[0].details.family == "llama" and models[0].details.quantization_level == "Q4_1"
+    assert models[0].size > 90_000_000
+    shown = client.show(MODEL_ID)
+    assert shown.modelinfo["general.architecture"] == "llama"
+    assert shown.modelinfo["llama.context_length"] == 8192
+    assert "completion" in shown.capabilities and shown.template
+    assert shown.details.parameter_size.endswith("M")
+
+
+def test_chat_not_streamed_is_the_greedy_reply(client, expected):
+    reply = client.chat(MODEL_ID, messages=HELLO, options=GREEDY, stream=False)
+    assert reply.message.role == "assistant" and reply.message.content == expected
+    assert reply.done and reply.done_reason == "length"
+    assert reply.eval_count == GREEDY["num_predict"] and reply.prompt_eval_count > 5
+    assert reply.total_duration >= reply.eval_duration > 0
+
+
+def test_chat_streamed_gives_the_same_text(client, expected):
+    parts = list(client.chat(MODEL_ID, messages=HELLO, options=GREEDY, stream=True))
+    assert all(not p.done for p in parts[:-1]) and parts[-1].done
+    assert "".join(p.message.content for p in parts) == expected
+    assert parts[-1].done_reason == "length"
+
+
+def test_generate_with_and_without_the_template(client, expected):
+    reply = client.generate(MODEL_ID, prompt="Say hello.", options=GREEDY, stream=False)
+    assert reply.response == expected  # the prompt goes through the chat template
+    streamed = list(client.generate(MODEL_ID, prompt="Say hello.", options=GREEDY, stream=True))
+    assert "".join(p.response for p in streamed) == expected
+    raw = client.generate(MODEL_ID, prompt="Once upon a time", raw=True, options=GREEDY)
+    assert raw.response and raw.response != expected
+    stop = client.generate(MODEL_ID, prompt="Say hello.", options={**GREEDY, "stop": ["!"]})
+    assert "!" not in stop.response and stop.done_reason == "stop"
+
+
+def test_ps_version_and_unload(client):
+    client.generate(MODEL_ID, prompt="Hi", options={**GREEDY, "num_predict": 1})
+    assert [m.model for m in client.ps().models] == [MODEL_ID]
+    assert client._client.get("/api/version").json()["version"]
+    unloaded = client.generate(MODEL_ID, keep_alive=0)
+    assert unloaded.done_reason == "unload"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        ([1, 2], 400, "JSON object"),
+        ({"model": "no-such-model", "messages": HELLO}, 404, "not found"),
+        ({"model": MODEL_ID, "messages": "hi"}, 400, "messages must be a list"),
+        ({"model": MODEL_ID, "messages": HELLO, "options": {"temperature": "hot"}}, 400, "number"),
+        ({"model": MODEL_ID, "messages": HELLO, "stream": "yes"}, 400, "true or false"),
+        ({"model": MODEL_ID, "messages": HELLO, "format": "json"}, 400, "not supported"),
+        ({"model": MODEL_ID, "messages": TOO_LONG}, 400, "context"),
+    ],
+)
+def test_bad_chat_requests_get_ollamas_error_shape(server, body, status, message):
+    content = body if isinstance(body, bytes) else json.dumps(body)
+    response = httpx.post(f"{server}/api/chat", content=content, timeout=60)
+    assert response.status_code == status, response.text
+    assert list(response.json()) == ["error"] and message in response.json()["error"]
+
+
+def test_the_client_raises_ollamas_errors(client):
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat("no-such-model", messages=HELLO)
+    assert e.value.status_code == 404
