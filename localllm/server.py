@@ -15,6 +15,7 @@ but /health; nothing a request says ever becomes a file path.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hmac
 import ipaddress
@@ -701,6 +702,56 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
     )
 
 
+async def embeddings(request: Request) -> JSONResponse:
+    """POST /v1/embeddings {"model", "input": text or [texts]}: OpenAI's shape, the vectors of
+    /api/embed (embeddings.py). Token-id inputs and `dimensions` are refused with 400."""
+    try:
+        body = json.loads(await request.body())
+    except ValueError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise bad_request("model is required", param="model")
+    value = body.get("input")
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise bad_request("input must be a string or a non-empty list of strings", param="input")
+    if body.get("dimensions") is not None:
+        raise bad_request("dimensions is not supported", param="dimensions")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):  # the openai client asks for base64
+        raise bad_request("encoding_format must be float or base64", param="encoding_format")
+    try:
+        served, vectors, n_tokens, _total, _load = await server_ollama.run_embeddings(
+            request, name, texts, truncate=False
+        )
+    except LookupError:
+        raise APIError(
+            404, f"The model `{name}` does not exist", param="model", code="model_not_found"
+        ) from None
+    except LocalLLMError as e:
+        raise bad_request(str(e), param="input") from None
+
+    def encoded(v):  # base64: the little-endian float32 bytes, as OpenAI sends them
+        if encoding == "base64":
+            return base64.b64encode(v.astype("<f4").tobytes()).decode()
+        return v.tolist()
+
+    data = [
+        {"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)
+    ]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "model": served.id,
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+        }
+    )
+
+
 async def list_models(request: Request) -> JSONResponse:
     """GET /v1/models, with each model's context length (vLLM's `max_model_len`)."""
     state: _State = request.app.state.localllm
@@ -996,6 +1047,9 @@ def create_app(
     app.add_api_route("/api/tags", server_ollama.tags, methods=["GET"])
     app.add_api_route("/api/show", server_ollama.show, methods=["POST"])
     app.add_api_route("/api/version", server_ollama.version, methods=["GET"])
+    app.add_api_route("/api/embed", server_ollama.embed, methods=["POST"])
+    app.add_api_route("/api/embeddings", server_ollama.embeddings_legacy, methods=["POST"])
+    app.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)

@@ -547,3 +547,94 @@ async def version(request: Request) -> JSONResponse:
     except PackageNotFoundError:
         number = "0.0.0"
     return JSONResponse({"version": number})
+
+
+# -- embeddings -----------------------------------------------------------------------------
+
+
+async def run_embeddings(request: Request, name: str, texts: list[str], truncate: bool):
+    """(served model, vectors, tokens, seconds, load seconds) for texts, on the engine thread
+    (the model is checked out meanwhile, so that an unload waits). Raises LookupError for an
+    unknown model and LocalLLMError for an input that cannot be embedded."""
+    from localllm.embeddings import embed_texts
+
+    state = request.app.state.localllm
+    served = await asyncio.to_thread(state.pool.find, name)
+    if served is None:
+        raise LookupError(name)
+    state.engine.check_room()
+    start = time.perf_counter()
+    await state.pool.load(served)
+    load_s = time.perf_counter() - start
+
+    def work():
+        model = state.pool.checkout(served)
+        try:
+            return embed_texts(model, texts, truncate)
+        finally:
+            state.pool.checkin(served)
+
+    vectors, n_tokens = await asyncio.wrap_future(state.engine.call(work))
+    return served, vectors, n_tokens, time.perf_counter() - start, load_s
+
+
+def _inputs(value: Any) -> list[str] | None:
+    """A string or a list of strings, as a list; None if it is neither."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return value
+    return None
+
+
+async def embed(request: Request) -> JSONResponse:
+    """POST /api/embed {"model", "input": text or [texts], "truncate": true}: normalized
+    embeddings (embeddings.py), one per input."""
+    body, error = await _body(request)
+    if error is not None:
+        return error
+    texts = _inputs(body.get("input"))
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        return _error(400, "model is required")
+    if texts is None:
+        return _error(400, "input must be a string or a non-empty list of strings")
+    truncate = body.get("truncate", True)
+    if not isinstance(truncate, bool):
+        return _error(400, "truncate must be true or false")
+    try:
+        served, vectors, n_tokens, total, load_s = await run_embeddings(
+            request, name, texts, truncate
+        )
+    except LookupError:
+        return _error(404, f"model '{name}' not found")
+    except LocalLLMError as e:
+        return _error(400, str(e))
+    return JSONResponse(
+        {
+            "model": served.id,
+            "embeddings": [v.tolist() for v in vectors],
+            "total_duration": int(total * 1e9),
+            "load_duration": int(load_s * 1e9),
+            "prompt_eval_count": n_tokens,
+        }
+    )
+
+
+async def embeddings_legacy(request: Request) -> JSONResponse:
+    """POST /api/embeddings {"model", "prompt"}: Ollama's older route, one embedding."""
+    body, error = await _body(request)
+    if error is not None:
+        return error
+    name, prompt = body.get("model"), body.get("prompt")
+    if not isinstance(name, str) or not name:
+        return _error(400, "model is required")
+    if not isinstance(prompt, str) or not prompt:
+        return _error(400, "prompt must be a non-empty string")
+    try:
+        _served, vectors, _n, _total, _load = await run_embeddings(request, name, [prompt], True)
+    except LookupError:
+        return _error(404, f"model '{name}' not found")
+    except LocalLLMError as e:
+        return _error(400, str(e))
+    return JSONResponse({"embedding": vectors[0].tolist()})

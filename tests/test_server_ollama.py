@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import numpy as np
 import ollama
 import pytest
 from live_server import N_CTX, running_server
@@ -113,3 +114,42 @@ def test_the_client_raises_ollamas_errors(client):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat("no-such-model", messages=HELLO)
     assert e.value.status_code == 404
+
+
+def test_embed_gives_unit_vectors_of_the_last_token_state(server, client):
+    from localllm.embeddings import embed_texts
+
+    result = client.embed(MODEL_ID, input=["Hello there", "The sky is blue."])
+    vectors = np.array(result.embeddings)
+    assert vectors.shape == (2, 576)  # SmolLM2-135M's embedding length
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
+    assert abs(float(vectors[0] @ vectors[1])) < 0.999  # two texts, two directions
+    model = load_model(model_path("smollm2-135m"), n_ctx=N_CTX, device="cpu")
+    try:
+        local, n_tokens = embed_texts(model, ["Hello there", "The sky is blue."])
+    finally:
+        model.close()
+    np.testing.assert_allclose(vectors, np.array(local), atol=1e-5)
+    assert result.prompt_eval_count == n_tokens
+    body = {"model": MODEL_ID, "prompt": "Hello there"}
+    legacy = httpx.post(f"{server}/api/embeddings", json=body)
+    np.testing.assert_allclose(legacy.json()["embedding"], vectors[0], atol=1e-6)
+    # OpenAI's shape, the same vectors
+    import openai
+
+    openai_client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    answer = openai_client.embeddings.create(model=MODEL_ID, input=["Hello there"])
+    np.testing.assert_allclose(answer.data[0].embedding, vectors[0], atol=1e-6)
+    assert answer.usage.prompt_tokens > 0
+
+
+def test_bad_embed_requests(server):
+    for body, status in [
+        ({"model": "no-such-model", "input": "x"}, 404),
+        ({"model": MODEL_ID, "input": 5}, 400),
+        ({"model": MODEL_ID, "input": []}, 400),
+    ]:
+        response = httpx.post(f"{server}/api/embed", json=body, timeout=60)
+        assert response.status_code == status and list(response.json()) == ["error"]
+    response = httpx.post(f"{server}/v1/embeddings", json={"model": MODEL_ID, "input": [1, 2]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "input"

@@ -298,11 +298,13 @@ class Transformer:
         all_logits: bool = False,
         cache: KVCache | None = None,
         interrupt: Callable[[], None] | None = None,
+        hidden: bool = False,
     ) -> np.ndarray:
         """Run tokens at positions start_pos.. through the model, filling the KV cache.
 
         Returns float32[vocab_size], the logits after the last token, or, with all_logits,
-        float32[n_tokens, vocab_size] (used by tests; prefill skips the output head otherwise).
+        float32[n_tokens, vocab_size] (used by tests; prefill skips the output head otherwise),
+        or, with hidden, float32[n_tokens, dim]: the final normed hidden states (embeddings).
         `cache` defaults to the model's own; calls on one Transformer must not overlap, since
         they share its scratch buffers. `interrupt` is called before every layer of every chunk
         and may raise to stop a long prompt at once (Ctrl-C, a client gone): the cache then holds
@@ -334,11 +336,20 @@ class Transformer:
             with self.backend.step(len(chunk)):  # the backend picks its threads per chunk
                 self._forward_chunk(chunk, start_pos + first, cache, interrupt)
                 cache.tokens.extend(int(t) for t in chunk)
-                if all_logits:
+                if hidden:
+                    rows.append(self._hidden(0, len(chunk)))
+                elif all_logits:
                     rows.append(self._logits(0, len(chunk)))
                 elif last_chunk:
                     rows.append(self._logits(len(chunk) - 1, len(chunk))[0])
-        return np.concatenate(rows) if all_logits else rows[0]
+        return np.concatenate(rows) if all_logits or hidden else rows[0]
+
+    def _hidden(self, first: int, end: int) -> np.ndarray:
+        """Host float32[end - first, dim]: rows first..end-1 of the residual stream after the
+        output norm, what the output head would read (llama.cpp's embeddings)."""
+        b, c, s = self.backend, self.config, self.scratch
+        h = b.rmsnorm(s.x[first:end], self.output_norm, c.rms_eps, s.h[: end - first])
+        return b.to_host(h)
 
     def _logits(self, first: int, end: int) -> np.ndarray:
         """Host float32[end - first, vocab] for rows first..end-1 of the residual stream."""
