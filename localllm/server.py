@@ -1048,6 +1048,8 @@ def create_app(
     app.add_api_route("/api/show", server_ollama.show, methods=["POST"])
     app.add_api_route("/api/version", server_ollama.version, methods=["GET"])
     app.add_api_route("/api/embed", server_ollama.embed, methods=["POST"])
+    app.add_api_route("/api/pull", server_ollama.pull, methods=["POST"])
+    app.add_api_route("/api/delete", server_ollama.delete, methods=["DELETE"])
     app.add_api_route("/api/embeddings", server_ollama.embeddings_legacy, methods=["POST"])
     app.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
     app.add_exception_handler(RequestValidationError, _validation_error)

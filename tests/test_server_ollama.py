@@ -153,3 +153,30 @@ def test_bad_embed_requests(server):
         assert response.status_code == status and list(response.json()) == ["error"]
     response = httpx.post(f"{server}/v1/embeddings", json={"model": MODEL_ID, "input": [1, 2]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "input"
+
+
+def test_pull_streams_progress_and_delete_removes(client, monkeypatch):
+    from fake_hub import DATA, FILE, REPO, FakeHub
+
+    from localllm.store import Store
+
+    hub = FakeHub()
+    hub.files[f"{REPO}/{FILE}"] = DATA
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    try:
+        name = f"hf.co/{REPO}:Q4_K_M"
+        updates = list(client.pull(name, stream=True))
+        assert updates[0].status.startswith("pulling") and updates[-1].status == "success"
+        downloads = [u for u in updates if u.status == "downloading"]
+        assert downloads and downloads[-1].completed == downloads[-1].total == len(DATA)
+        assert Store().resolve(name) is not None
+        client.delete(name)
+        assert Store().resolve(name) is None
+        with pytest.raises(ollama.ResponseError) as e:
+            client.delete(name)
+        assert e.value.status_code == 404
+        with pytest.raises(ollama.ResponseError, match="not found"):
+            client.pull(f"hf.co/{REPO}-missing:Q4_K_M")
+    finally:
+        hub.server.shutdown()
+        hub.server.server_close()
