@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import closing, contextmanager, nullcontext
 from datetime import datetime, timezone
 from enum import Enum
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import typer
@@ -240,6 +241,12 @@ def run(
     truncate: bool = typer.Option(
         False, "--truncate", help="Keep the end of a prompt too long for the context (warns)."
     ),
+    output_format: str | None = typer.Option(
+        None,
+        "--format",
+        metavar="json|SCHEMA.json",
+        help="Answer in JSON: any object (json), or following the JSON schema in a file.",
+    ),
     think: bool | None = typer.Option(
         None,
         "--think/--no-think",
@@ -259,16 +266,38 @@ def run(
     if raw and system is not None:
         raise typer.BadParameter("a system prompt needs the chat template", param_hint="--system")
     options = Options(temperature, top_k, top_p, min_p, repeat_penalty, seed, max_tokens)
+    json_schema = _json_schema(output_format)  # before loading: fail fast
     interactive = prompt is None and _isatty(sys.stdin) and _isatty(sys.stdout)
     text = None if interactive else _prompt_text(prompt)  # before loading: fail fast
     loaded, label = open_model(model, ctx_size, threads, device, spinner=_isatty(sys.stdout))
     try:
         if interactive:
-            _chat(loaded, label, system, raw, options, verbose, think)
+            _chat(loaded, label, system, raw, options, verbose, think, json_schema)
         else:
-            _one_shot(loaded, text, system, raw, options, verbose, truncate, think)
+            _one_shot(loaded, text, system, raw, options, verbose, truncate, think, json_schema)
     finally:
         loaded.close()
+
+
+def _json_schema(value: str | None) -> Any:
+    """--format: False (text), None ("json": any object) or the schema read from a file."""
+    if value is None:
+        return False
+    if value == "json":
+        return None
+    path = Path(value).expanduser()
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise LocalLLMError(f"cannot read the schema file {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise LocalLLMError(f"the schema file {path} is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise LocalLLMError(f"the schema in {path} must be a JSON object")
+    from localllm.constrained import json_grammar
+
+    json_grammar(schema)  # a schema llguidance cannot compile fails here, before loading
+    return schema
 
 
 def _prompt_text(prompt: str | None) -> str:
@@ -292,12 +321,14 @@ def _one_shot(
     verbose: bool,
     truncate: bool,
     think: bool | None = None,
+    json_schema: Any = False,
 ) -> None:
     from localllm.conversation import Conversation
 
     start = time.perf_counter()
     conversation = Conversation(model, system=system, raw=raw, options=options)
     conversation.think = think
+    conversation.json_schema = json_schema
     ids, dropped = conversation.ask(text, truncate=truncate)
     if dropped:
         _stderr(
@@ -358,13 +389,21 @@ def _print_reply(
 
 
 def _chat(
-    model, label: str, system: str | None, raw: bool, options, verbose: bool, think=None
+    model,
+    label: str,
+    system: str | None,
+    raw: bool,
+    options,
+    verbose: bool,
+    think=None,
+    json_schema: Any = False,
 ) -> None:
     from localllm.chat import ChatSession
     from localllm.conversation import Conversation
 
     conversation = Conversation(model, system=system, raw=raw, options=options)
     conversation.think = think
+    conversation.json_schema = json_schema
     ChatSession(conversation, label, verbose=verbose).run()
 
 

@@ -67,6 +67,9 @@ class Conversation:
         # False reach the template as enable_thinking (`--think` / `--no-think`, /set think).
         self.think: bool | None = None
         self.reply_opens_thinking = False  # the last prompt ended inside <think>
+        # JSON output (constrained.py, `--format`): False for text, None for any JSON object,
+        # else the JSON schema the replies follow.
+        self.json_schema: Any = False
 
     def all_messages(self) -> list[dict[str, str]]:
         """The conversation as the template sees it: the system message first, if any."""
@@ -141,12 +144,17 @@ class Conversation:
         yet, the unanswered turn is dropped.
         """
         options = self.options
+        processors = options.logits_processors()
+        if self.json_schema is not False:
+            from localllm.constrained import json_processor
+
+            processors = [*processors, json_processor(self.model, self.json_schema)]
         responses = stream_generate(
             self.model,
             prompt_ids,
             max_tokens=options.max_tokens(self.model.n_ctx),
             sampler=options.sampler(),
-            logits_processors=options.logits_processors(),
+            logits_processors=processors,
         )
         return Reply(self, responses)
 

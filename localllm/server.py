@@ -442,6 +442,7 @@ async def _prepare(
     requested_max: int | None,
     top_logprobs: int | None,
     id_prefix: str,
+    json_schema: Any = False,
 ) -> tuple[_Job, Generation]:
     """Find and load the model, build the prompt off the event loop, check it fits, and
     start the generation on the engine."""
@@ -464,6 +465,14 @@ async def _prepare(
         raise bad_request(str(e), param="messages" if what == "messages" else "prompt") from None
     if not prompt_ids:
         raise bad_request(f"the {what} is empty", param="prompt")
+    if json_schema is not False:  # JSON output: llguidance masks the logits at every step
+        from localllm.constrained import json_processor
+
+        try:
+            constraint = await asyncio.to_thread(json_processor, model, json_schema)
+        except LocalLLMError as e:
+            raise bad_request(str(e), param="response_format") from None
+        processors = [*processors, constraint]
     max_tokens = _max_tokens(requested_max, len(prompt_ids), model.n_ctx, what)
     job = _Job(
         served,
@@ -566,13 +575,34 @@ def _internal_error(e: Exception) -> APIError:
 # -- the routes -----------------------------------------------------------------------------
 
 
+def _response_schema(response_format: dict[str, Any] | None) -> Any:
+    """False for text; None for any JSON object (json_object); the schema of json_schema."""
+    if not response_format:
+        return False
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return False
+    if kind == "json_object":
+        return None
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise bad_request(
+                "json_schema needs an object with a 'schema' object", param="response_format"
+            )
+        return spec.get("schema") or None
+    raise bad_request(
+        f"response_format type {kind!r} is not one of text, json_object, json_schema",
+        param="response_format",
+    )
+
+
 async def chat_completions(request: Request, req: ChatCompletionRequest) -> Response:
     """POST /v1/chat/completions."""
     state: _State = request.app.state.localllm
     if req.tools:
         raise bad_request("tools (function calling) are not supported", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("only the text response_format is supported", param="response_format")
+    json_schema = _response_schema(req.response_format)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     messages = chat_messages(req.messages)
@@ -587,6 +617,7 @@ async def chat_completions(request: Request, req: ChatCompletionRequest) -> Resp
         requested,
         top_logprobs,
         "chatcmpl",
+        json_schema,
     )
     base = {"id": job.id, "created": job.created, "model": job.served.id}
     if req.stream:

@@ -7,10 +7,12 @@
 
 `options` takes temperature, top_k, top_p, min_p, seed, stop, num_predict, repeat_penalty,
 repeat_last_n, presence_penalty and frequency_penalty with Ollama's defaults; num_ctx is accepted
-and the server's own context (`serve -c`) applies. `format`, `tools` and images are answered 400
-(not supported yet). `think` reaches a thinking model's template and its thoughts come back in
-`thinking`. Errors come in Ollama's shape, {"error": "..."}: 400 for a bad request (malformed
-JSON, wrong types, a prompt longer than the context), 404 for an unknown model.
+and the server's own context (`serve -c`) applies. `format` ("json" or a JSON schema) constrains
+the output (constrained.py). `tools` and images are answered 400 (not supported yet). `think`
+reaches a thinking model's template and its thoughts come back in `thinking`. Errors come in
+Ollama's shape, {"error": "..."}: 400 for a bad request (malformed JSON, wrong types, a prompt
+longer than the context, a schema that cannot be compiled), 404 for an unknown model. Also
+/api/embed, /api/embeddings, /api/pull and /api/delete (see each).
 """
 
 from __future__ import annotations
@@ -225,8 +227,9 @@ async def _generation(
     from localllm.server_engine import Generation
     from localllm.server_schema import completion_id
 
-    if body.get("format"):
-        return _error(400, "format (JSON output) is not supported yet")
+    fmt = body.get("format")
+    if fmt and fmt != "json" and not isinstance(fmt, dict):
+        return _error(400, 'format must be "json" or a JSON schema object')
     if body.get("tools"):
         return _error(400, "tools are not supported yet")
     if body.get("images"):
@@ -273,6 +276,11 @@ async def _generation(
 
     try:
         prompt_ids, thinks, inside = await asyncio.to_thread(build_ids, model)
+        if fmt:  # JSON output (constrained.py): "json" is any object, else the schema
+            from localllm.constrained import json_processor
+
+            schema = None if fmt == "json" else fmt
+            processors = [*processors, await asyncio.to_thread(json_processor, model, schema)]
     except LocalLLMError as e:
         return _error(400, str(e))
     n_ctx = model.n_ctx

@@ -99,7 +99,9 @@ def test_ps_version_and_unload(client):
         ({"model": MODEL_ID, "messages": "hi"}, 400, "messages must be a list"),
         ({"model": MODEL_ID, "messages": HELLO, "options": {"temperature": "hot"}}, 400, "number"),
         ({"model": MODEL_ID, "messages": HELLO, "stream": "yes"}, 400, "true or false"),
-        ({"model": MODEL_ID, "messages": HELLO, "format": "json"}, 400, "not supported"),
+        ({"model": MODEL_ID, "messages": HELLO, "format": "yaml"}, 400, "format must be"),
+        ({"model": MODEL_ID, "messages": HELLO, "format": {"type": "nope"}}, 400, "cannot be used"),
+        ({"model": MODEL_ID, "messages": HELLO, "tools": [{"type": "function"}]}, 400, "tools"),
         ({"model": MODEL_ID, "messages": TOO_LONG}, 400, "context"),
     ],
 )
