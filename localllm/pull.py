@@ -240,7 +240,7 @@ def _check_header(read_prefix: Callable[[int], bytes], size: int | None, what: s
         header = read_header_bytes(head, file_size, what)
         if header is not None:
             types = {support.type_name(t) for t in header.tensor_types.values()}
-            support.check_runnable(header.architecture, types, what)
+            support.check_runnable(header.architecture, types, what, header.metadata)
             return
         if len(head) < min(n, file_size):
             return  # the source had fewer bytes to give; the check after the download decides

