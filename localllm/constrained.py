@@ -82,13 +82,46 @@ def json_grammar(schema: dict[str, Any] | None) -> str:
 def json_processor(model: Model, schema: dict[str, Any] | None):
     """A logits processor that keeps one reply inside the schema's JSON (a fresh one per
     reply: it holds the matcher's state)."""
+    return grammar_processor(model, json_grammar(schema))
+
+
+def tool_call_grammar(tools: list[dict[str, Any]]) -> str:
+    """A grammar for one Hermes-style call of one of `tools` (OpenAI's function tools):
+    <tool_call>, {"name": ..., "arguments": {... the function's parameters}}, </tool_call>.
+    What tool_choice "required" (or a named function) constrains a reply to."""
+    import llguidance
+
+    choices = []
+    for tool in tools:
+        function = tool.get("function") or {}
+        parameters = function.get("parameters") or {"type": "object"}
+        choices.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": function.get("name")}, "arguments": parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    schema = choices[0] if len(choices) == 1 else {"anyOf": choices}
+    lark = 'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json ' + json.dumps(schema)
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise LocalLLMError(f"the tools' parameters cannot be used: {'; '.join(messages)}")
+    return grammar
+
+
+def grammar_processor(model: Model, grammar: str):
+    """A logits processor that keeps one reply inside an llguidance grammar (a fresh one per
+    reply: it holds the matcher's state)."""
     import llguidance
     import llguidance.numpy as llnp
 
     tokenizer = lltokenizer(model)
-    matcher = llguidance.LLMatcher(tokenizer, json_grammar(schema))
+    matcher = llguidance.LLMatcher(tokenizer, grammar)
     if matcher.is_error():
-        raise LocalLLMError(f"the JSON schema cannot be used: {matcher.get_error()}")
+        raise LocalLLMError(f"the grammar cannot be used: {matcher.get_error()}")
     mask = llnp.allocate_token_bitmask(1, tokenizer.vocab_size)  # int32[1, words], made once
     start: list[int] = []  # len(history) at the first call: the prompt
 
@@ -101,7 +134,6 @@ def json_processor(model: Model, schema: dict[str, Any] | None):
         start[0] = len(history)
         llnp.fill_next_token_bitmask(matcher, mask, 0)
         allowed = np.unpackbits(mask[0].view(np.uint8), bitorder="little")[: logits.shape[0]]
-        out = np.where(allowed.astype(bool), logits, np.float32(-np.inf)).astype(np.float32)
-        return out
+        return np.where(allowed.astype(bool), logits, np.float32(-np.inf)).astype(np.float32)
 
     return process

@@ -41,11 +41,11 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.routing import BaseRoute, Match
 
-from localllm import server_ollama
+from localllm import server_ollama, tool_calls
 from localllm.errors import LocalLLMError
 from localllm.generate import stream_generate
 from localllm.models import DEFAULT_CTX, Model, load_model
-from localllm.prompt import chat_prompt_ids, raw_prompt_ids
+from localllm.prompt import chat_prompt_ids, chat_template, raw_prompt_ids
 from localllm.sampling import Sampler, make_logits_processors, make_sampler
 from localllm.server_cors import CORSPolicy, cors_warning
 from localllm.server_engine import Engine, EngineBusy, Generation, cancel_check
@@ -443,6 +443,7 @@ async def _prepare(
     top_logprobs: int | None,
     id_prefix: str,
     json_schema: Any = False,
+    forced_tools: list[dict[str, Any]] | None = None,
 ) -> tuple[_Job, Generation]:
     """Find and load the model, build the prompt off the event loop, check it fits, and
     start the generation on the engine."""
@@ -472,6 +473,15 @@ async def _prepare(
             constraint = await asyncio.to_thread(json_processor, model, json_schema)
         except LocalLLMError as e:
             raise bad_request(str(e), param="response_format") from None
+        processors = [*processors, constraint]
+    if forced_tools:  # tool_choice required or named: the reply is one call of these tools
+        from localllm.constrained import grammar_processor, tool_call_grammar
+
+        try:
+            grammar = tool_call_grammar(forced_tools)
+            constraint = await asyncio.to_thread(grammar_processor, model, grammar)
+        except LocalLLMError as e:
+            raise bad_request(str(e), param="tools") from None
         processors = [*processors, constraint]
     max_tokens = _max_tokens(requested_max, len(prompt_ids), model.n_ctx, what)
     job = _Job(
@@ -575,6 +585,89 @@ def _internal_error(e: Exception) -> APIError:
 # -- the routes -----------------------------------------------------------------------------
 
 
+def _tools(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, bool]:
+    """(the tools the template gets, or None; whether the reply must be a call of them), from
+    tools and tool_choice (auto, none, required, or {"type": "function", "function": {name}})."""
+    if not req.tools:
+        if req.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        return None, False
+    for i, tool in enumerate(req.tools):
+        function = tool.get("function") if tool.get("type", "function") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(
+                "each tool must be {type: function, function: {name, ...}}", param=f"tools[{i}]"
+            )
+    choice = req.tool_choice or "auto"
+    if choice == "none":
+        return None, False
+    if choice == "auto":
+        return req.tools, False
+    if choice == "required":
+        return req.tools, True
+    if isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str):
+        name = choice["function"]["name"]
+        named = [t for t in req.tools if t["function"]["name"] == name]
+        if not named:
+            raise bad_request(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+        return named, True
+    raise bad_request("tool_choice must be none, auto, required or a function", "tool_choice")
+
+
+async def _stream_tool_calls(
+    gen: Generation, base: dict[str, Any], kind: str | None, include_usage: bool
+) -> AsyncIterator[str]:
+    """A streamed reply that may be tool calls: text is streamed as content once it cannot be
+    the start of a call; a call is held until the reply ends, then sent as tool_calls deltas
+    with finish_reason "tool_calls"."""
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        body = {**base, "object": "chat.completion.chunk", "choices": [choice]}
+        if include_usage:
+            body["usage"] = None
+        return _sse(body)
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        held, streaming, last = "", False, None
+        async for step in gen:
+            last = step
+            if streaming:
+                if step.text:
+                    yield chunk({"content": step.text})
+                continue
+            held += step.text
+            if not tool_calls.could_start_call(held, kind):
+                streaming = True
+                yield chunk({"content": held})
+        if last is None:
+            yield _sse("[DONE]")
+            return
+        finish = last.finish_reason
+        if not streaming:
+            content, calls = tool_calls.parse(held, kind)
+            if calls:
+                if content:
+                    yield chunk({"content": content})
+                yield chunk({"tool_calls": [c.openai(i) for i, c in enumerate(calls)]})
+                finish = "tool_calls"
+            elif held:
+                yield chunk({"content": held})
+        yield chunk({}, finish)
+        if include_usage:
+            body = {**base, "object": "chat.completion.chunk", "choices": []}
+            body["usage"] = usage(last.prompt_tokens, last.completion_tokens)
+            yield _sse(body)
+        yield _sse("[DONE]")
+    except Exception as e:  # headers are sent: report in-band, as OpenAI and vLLM do
+        error = e if isinstance(e, APIError) else _internal_error(e)
+        yield _sse(error.body())
+        yield _sse("[DONE]")
+    finally:
+        gen.cancel()
+
+
 def _response_schema(response_format: dict[str, Any] | None) -> Any:
     """False for text; None for any JSON object (json_object); the schema of json_schema."""
     if not response_format:
@@ -600,8 +693,6 @@ def _response_schema(response_format: dict[str, Any] | None) -> Any:
 async def chat_completions(request: Request, req: ChatCompletionRequest) -> Response:
     """POST /v1/chat/completions."""
     state: _State = request.app.state.localllm
-    if req.tools:
-        raise bad_request("tools (function calling) are not supported", param="tools")
     json_schema = _response_schema(req.response_format)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -609,17 +700,61 @@ async def chat_completions(request: Request, req: ChatCompletionRequest) -> Resp
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     # max_completion_tokens is the newer name; it wins when both are given.
     requested = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+    tools, forced = _tools(req)
+    kind: list[str | None] = [None]  # the model's tool-call format, read with its template
+
+    def build_ids(model: Model) -> list[int]:
+        if tools is None:
+            return chat_prompt_ids(model, tool_calls.template_messages(messages))
+        kind[0] = tool_calls.family(chat_template(model).source)
+        if kind[0] is None:
+            raise LocalLLMError(f"{req.model}'s chat template does not take tools")
+        if forced and kind[0] != "hermes":
+            raise LocalLLMError(
+                "tool_choice required or a named function needs a model that writes "
+                "<tool_call> (Qwen, Hermes); use auto"
+            )
+        return chat_prompt_ids(model, tool_calls.template_messages(messages), tools=tools)
+
     job, gen = await _prepare(
         state,
         req,
-        lambda model: chat_prompt_ids(model, messages),
+        build_ids,
         "messages",
         requested,
         top_logprobs,
         "chatcmpl",
         json_schema,
+        tools if forced else None,
     )
     base = {"id": job.id, "created": job.created, "model": job.served.id}
+    if tools is not None:
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _event_stream(_stream_tool_calls(gen, base, kind[0], include_usage))
+        result = await _collect_or_cancel(request, gen)
+        if result is None:
+            return Response(status_code=499)
+        text, last, _entries = result
+        content, calls = tool_calls.parse(text, kind[0])
+        message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if calls:
+            message["tool_calls"] = [c.openai() for c in calls]
+        return JSONResponse(
+            {
+                **base,
+                "object": "chat.completion",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": message if calls else {**message, "content": text},
+                        "logprobs": None,
+                        "finish_reason": "tool_calls" if calls else last.finish_reason,
+                    }
+                ],
+                "usage": usage(last.prompt_tokens, last.completion_tokens),
+            }
+        )
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 

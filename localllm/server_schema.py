@@ -73,6 +73,9 @@ class Message(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # A string, or a list of parts; only {"type": "text"} parts are accepted (see chat_messages).
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, sent back in turn
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+    name: str | None = None
 
 
 class _Sampling(_Request):
@@ -101,7 +104,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
 
@@ -153,7 +158,17 @@ def chat_messages(messages: list[Message]) -> list[dict[str, str]]:
             content = "\n".join(texts)
         else:
             content = m.content or ""
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        message: dict[str, Any] = {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": content,
+        }
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
     return out
 
 
