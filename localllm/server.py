@@ -41,7 +41,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.routing import BaseRoute, Match
 
-from localllm import server_ollama, tool_calls
+from localllm import server_anthropic, server_ollama, tool_calls
 from localllm.errors import LocalLLMError
 from localllm.generate import stream_generate
 from localllm.models import DEFAULT_CTX, Model, load_model
@@ -1218,6 +1218,7 @@ def create_app(
     app.add_api_route("/api/delete", server_ollama.delete, methods=["DELETE"])
     app.add_api_route("/api/embeddings", server_ollama.embeddings_legacy, methods=["POST"])
     app.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
+    app.add_api_route("/v1/messages", server_anthropic.messages, methods=["POST"])
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
