@@ -28,14 +28,17 @@ class _Vocabulary:
 
     def __init__(self, model: Model) -> None:
         tokenizer = model.tokenizer
-        tokens = []
+        tokens, special = [], []
         for i in range(tokenizer.vocab_size):
             piece = tokenizer.token_to_bytes(i)
-            tokens.append(b"\xff" + piece if tokenizer.is_special(i) else piece)
+            if tokenizer.is_special(i):
+                special.append(i)
+                piece = b"\xff" + piece
+            tokens.append(piece)
         self.tokens = tokens
         self.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
         self.bos_token_id = tokenizer.bos_id
-        self.special_token_ids = [i for i in range(tokenizer.vocab_size) if tokenizer.is_special(i)]
+        self.special_token_ids = special
         self._tokenizer = tokenizer
         self.eog_ids = sorted(getattr(tokenizer, "eog_ids", None) or [self.eos_token_id])
 

@@ -82,9 +82,7 @@ class Conversation:
             return raw_prompt_ids(self.model, "".join(m["content"] for m in self.messages))
         extra = {"enable_thinking": self.think} if self.think is not None else {}
         ids = chat_prompt_ids(self.model, self.all_messages(), **extra)
-        self.reply_opens_thinking = self.thinks and prompt_opens_thinking(
-            self.model.tokenizer.decode(ids[-16:])  # "<think>" may be one token or 8 bytes
-        )
+        self.reply_opens_thinking = self.thinks and prompt_opens_thinking(self.model.tokenizer, ids)
         return ids
 
     @property

@@ -285,6 +285,13 @@ def prefetch(typingctx, array, index, offset):
 KV_PREFETCH = 16
 
 
+@njit(cache=True, inline="always")
+def _prefetch_head_row(cache, position, row_start, row_end):
+    """Prefetch bytes row_start..row_end (one K/V head) of cache[position], line by line."""
+    for line in range(row_start, row_end, 64):
+        prefetch(cache, position, line)
+
+
 def kv_value(x):
     """A KV cache element as float32: IEEE half bits (uint16) converted, float32 as it is."""
 
@@ -344,9 +351,8 @@ def attention(
         row_start = kv * head_dim * k_cache.itemsize  # bytes of this K/V head in a cache row
         row_end = row_start + head_dim * k_cache.itemsize
         for j in range(first, pos + 1):
-            if j + KV_PREFETCH <= pos:  # this head's row, KV_PREFETCH positions on
-                for line in range(row_start, row_end, 64):
-                    prefetch(k_cache, j + KV_PREFETCH, line)
+            if j + KV_PREFETCH <= pos:
+                _prefetch_head_row(k_cache, j + KV_PREFETCH, row_start, row_end)
             for d in range(head_dim):
                 x[d] = kv_value(k_cache[j, kv, d])
             for g in range(heads_per_job):
@@ -373,9 +379,8 @@ def attention(
             for d in range(head_dim):
                 out[t, h0 + g, d] = 0.0
         for j in range(first, pos + 1):
-            if j + KV_PREFETCH <= pos:  # this head's row, KV_PREFETCH positions on
-                for line in range(row_start, row_end, 64):
-                    prefetch(v_cache, j + KV_PREFETCH, line)
+            if j + KV_PREFETCH <= pos:
+                _prefetch_head_row(v_cache, j + KV_PREFETCH, row_start, row_end)
             for d in range(head_dim):
                 x[d] = kv_value(v_cache[j, kv, d])
             for g in range(heads_per_job):

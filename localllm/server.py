@@ -522,11 +522,10 @@ async def _collect(gen: Generation) -> tuple[str, _Step, list[dict[str, Any]]]:
     return "".join(texts), last, entries
 
 
-async def _collect_or_cancel(
-    request: Request, gen: Generation
-) -> tuple[str, _Step, list[dict[str, Any]]] | None:
-    """_collect, cancelled within one engine step if the client disconnects first."""
-    collect = asyncio.ensure_future(_collect(gen))
+async def _collect_or_cancel(request: Request, gen: Generation, collect=None) -> Any:
+    """The result of `collect` (a coroutine reading gen; default _collect(gen)), or None when
+    the client disconnects first: then gen is cancelled within one engine step."""
+    collect = asyncio.ensure_future(_collect(gen) if collect is None else collect)
     watch = asyncio.ensure_future(_until_disconnected(request))
     try:
         done, _ = await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -550,22 +549,30 @@ async def _stream(
     """Server-sent events: an opening chunk (if chunk(None, None, None) gives one), then
     chunk(text, logprobs, None) per step, a finish chunk, a usage chunk when asked, and
     `data: [DONE]`. Starlette cancels it when the client goes away, which cancels `gen`."""
+    last = None
+    opening = chunk(None, None, None)
+    if opening is not None:
+        yield _sse(opening)
+    async for step in gen:
+        last = step
+        if step.text or step.logprobs is not None:
+            yield _sse(chunk(step.text, step.logprobs, None))
+    if last is not None:
+        yield _sse(chunk(None, None, last.finish_reason))
+        if include_usage:
+            totals = usage(last.prompt_tokens, last.completion_tokens)
+            yield _sse(chunk(None, None, None, totals=totals))
+    yield _sse("[DONE]")
+
+
+async def _guarded(events: AsyncIterator[str], gen: Generation) -> AsyncIterator[str]:
+    """The events of a chat or completion stream; an error after the headers went out is
+    reported in-band, as OpenAI and vLLM do, and `gen` is cancelled however the stream ends
+    (Starlette stops iterating when the client goes away)."""
     try:
-        last = None
-        opening = chunk(None, None, None)
-        if opening is not None:
-            yield _sse(opening)
-        async for step in gen:
-            last = step
-            if step.text or step.logprobs is not None:
-                yield _sse(chunk(step.text, step.logprobs, None))
-        if last is not None:
-            yield _sse(chunk(None, None, last.finish_reason))
-            if include_usage:
-                totals = usage(last.prompt_tokens, last.completion_tokens)
-                yield _sse(chunk(None, None, None, totals=totals))
-        yield _sse("[DONE]")
-    except Exception as e:  # headers are sent: report in-band, as OpenAI and vLLM do
+        async for event in events:
+            yield event
+    except Exception as e:
         error = e if isinstance(e, APIError) else _internal_error(e)
         yield _sse(error.body())
         yield _sse("[DONE]")
@@ -628,44 +635,37 @@ async def _stream_tool_calls(
             body["usage"] = None
         return _sse(body)
 
-    try:
-        yield chunk({"role": "assistant", "content": ""})
-        held, streaming, last = "", False, None
-        async for step in gen:
-            last = step
-            if streaming:
-                if step.text:
-                    yield chunk({"content": step.text})
-                continue
-            held += step.text
-            if not tool_calls.could_start_call(held, kind):
-                streaming = True
-                yield chunk({"content": held})
-        if last is None:
-            yield _sse("[DONE]")
-            return
-        finish = last.finish_reason
-        if not streaming:
-            content, calls = tool_calls.parse(held, kind)
-            if calls:
-                if content:
-                    yield chunk({"content": content})
-                yield chunk({"tool_calls": [c.openai(i) for i, c in enumerate(calls)]})
-                finish = "tool_calls"
-            elif held:
-                yield chunk({"content": held})
-        yield chunk({}, finish)
-        if include_usage:
-            body = {**base, "object": "chat.completion.chunk", "choices": []}
-            body["usage"] = usage(last.prompt_tokens, last.completion_tokens)
-            yield _sse(body)
+    yield chunk({"role": "assistant", "content": ""})
+    held, streaming, last = "", False, None
+    async for step in gen:
+        last = step
+        if streaming:
+            if step.text:
+                yield chunk({"content": step.text})
+            continue
+        held += step.text
+        if not tool_calls.could_start_call(held, kind):
+            streaming = True
+            yield chunk({"content": held})
+    if last is None:
         yield _sse("[DONE]")
-    except Exception as e:  # headers are sent: report in-band, as OpenAI and vLLM do
-        error = e if isinstance(e, APIError) else _internal_error(e)
-        yield _sse(error.body())
-        yield _sse("[DONE]")
-    finally:
-        gen.cancel()
+        return
+    finish = last.finish_reason
+    if not streaming:
+        content, calls = tool_calls.parse(held, kind)
+        if calls:
+            if content:
+                yield chunk({"content": content})
+            yield chunk({"tool_calls": [c.openai(i) for i, c in enumerate(calls)]})
+            finish = "tool_calls"
+        elif held:
+            yield chunk({"content": held})
+    yield chunk({}, finish)
+    if include_usage:
+        body = {**base, "object": "chat.completion.chunk", "choices": []}
+        body["usage"] = usage(last.prompt_tokens, last.completion_tokens)
+        yield _sse(body)
+    yield _sse("[DONE]")
 
 
 def _response_schema(response_format: dict[str, Any] | None) -> Any:
@@ -731,7 +731,7 @@ async def chat_completions(request: Request, req: ChatCompletionRequest) -> Resp
     if tools is not None:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _event_stream(_stream_tool_calls(gen, base, kind[0], include_usage))
+            return _event_stream(_stream_tool_calls(gen, base, kind[0], include_usage), gen)
         result = await _collect_or_cancel(request, gen)
         if result is None:
             return Response(status_code=499)
@@ -772,7 +772,7 @@ async def chat_completions(request: Request, req: ChatCompletionRequest) -> Resp
                 body["usage"] = totals
             return body
 
-        return _event_stream(_stream(gen, chunk, include_usage))
+        return _event_stream(_stream(gen, chunk, include_usage), gen)
     result = await _collect_or_cancel(request, gen)
     if result is None:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
@@ -838,7 +838,7 @@ async def completions(request: Request, req: CompletionRequest) -> Response:
                 body["usage"] = totals
             return body
 
-        return _event_stream(_stream(gen, chunk, include_usage))
+        return _event_stream(_stream(gen, chunk, include_usage), gen)
     result = await _collect_or_cancel(request, gen)
     if result is None:
         return Response(status_code=499)
@@ -860,9 +860,10 @@ async def completions(request: Request, req: CompletionRequest) -> Response:
     )
 
 
-def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+def _event_stream(events: AsyncIterator[str], gen: Generation) -> StreamingResponse:
+    """The SSE response of a stream of `gen`'s events (guarded: see _guarded)."""
     return StreamingResponse(
-        events,
+        _guarded(events, gen),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

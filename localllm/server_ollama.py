@@ -107,13 +107,10 @@ async def generate(request: Request) -> Response:
     body, error = await _body(request)
     if error is not None:
         return error
-    name = body.get("model")
-    if not isinstance(name, str) or not name:
-        return _error(400, "model is required")
+    served, error = await _served(request, body)
+    if error is not None:
+        return error
     pool = _pool(request)
-    served = await asyncio.to_thread(pool.find, name)
-    if served is None:
-        return _error(404, f"model '{name}' not found")
     prompt = body.get("prompt")
     if prompt is not None and not isinstance(prompt, str):
         return _error(400, "prompt must be a string")
@@ -122,9 +119,7 @@ async def generate(request: Request) -> Response:
             return await _unload(pool, served)
         # Ollama's "load a model" request: load it and answer done.
         await pool.load(served)
-        return JSONResponse(
-            _final(served.id, "load", None, _Timing(time.perf_counter(), 0), "response")
-        )
+        return JSONResponse(_loaded(served.id, "response"))
     system = body.get("system")
     if system is not None and not isinstance(system, str):
         return _error(400, "system must be a string")
@@ -140,9 +135,9 @@ async def chat(request: Request) -> Response:
     body, error = await _body(request)
     if error is not None:
         return error
-    name = body.get("model")
-    if not isinstance(name, str) or not name:
-        return _error(400, "model is required")
+    served, error = await _served(request, body)
+    if error is not None:
+        return error
     messages = body.get("messages", [])
     if not isinstance(messages, list):
         return _error(400, "messages must be a list")
@@ -158,15 +153,25 @@ async def chat(request: Request) -> Response:
         if m.get("tool_calls") or m["role"] == "tool":
             return _error(400, "tool calls are not supported yet")
         turns.append({"role": m["role"], "content": content})
-    served = await asyncio.to_thread(_pool(request).find, name)
-    if served is None:
-        return _error(404, f"model '{name}' not found")
     if not turns:  # Ollama: an empty chat loads the model
         await _pool(request).load(served)
-        return JSONResponse(
-            _final(served.id, "load", None, _Timing(time.perf_counter(), 0), "message")
-        )
+        return JSONResponse(_loaded(served.id, "message"))
     return await _generation(request, body, served, turns, False, "message")
+
+
+async def _served(
+    request: Request, body: dict, older_name: bool = False
+) -> tuple[Any, JSONResponse | None]:
+    """(the served model the body names, None), or (None, Ollama's 400 or 404): the name is
+    checked, then looked up, before the rest of the request, as Ollama's handlers do.
+    `older_name`: "name" is accepted for "model" (/api/show's older spelling)."""
+    name = body.get("model") or (body.get("name") if older_name else None)
+    if not isinstance(name, str) or not name:
+        return None, _error(400, "model is required")
+    served = await asyncio.to_thread(_pool(request).find, name)
+    if served is None:
+        return None, _error(404, f"model '{name}' not found")
+    return served, None
 
 
 async def _body(request: Request) -> tuple[dict, None] | tuple[None, JSONResponse]:
@@ -223,7 +228,7 @@ async def _generation(
 ) -> Response:
     """Run one generation for /api/chat (field "message") or /api/generate ("response")."""
     from localllm.sampling import make_logits_processors, make_sampler
-    from localllm.server import _checked_out, _Job, _until_disconnected
+    from localllm.server import _checked_out, _collect_or_cancel, _Job
     from localllm.server_engine import Generation
     from localllm.server_schema import completion_id
 
@@ -271,7 +276,7 @@ async def _generation(
         thinks = template_thinks(chat_template(model).source)
         extra = {"enable_thinking": think} if think is not None and thinks else {}
         ids = chat_prompt_ids(model, messages, **extra)
-        inside = thinks and prompt_opens_thinking(model.tokenizer.decode(ids[-16:]))
+        inside = thinks and prompt_opens_thinking(model.tokenizer, ids)
         return ids, thinks, inside
 
     try:
@@ -311,21 +316,13 @@ async def _generation(
             _ndjson(gen, served.id, field, timing, thinks, inside, show_thinking),
             media_type="application/x-ndjson",
         )
-    collect = asyncio.ensure_future(_collect(gen, thinks, inside, timing))
-    watch = asyncio.ensure_future(_until_disconnected(request))
     try:
-        done, _ = await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not collect.done():
-            collect.cancel()
-            gen.cancel()
-    if collect not in done:
-        return Response(status_code=499)
-    try:
-        thoughts, text, last = collect.result()
+        result = await _collect_or_cancel(request, gen, _collect(gen, thinks, inside, timing))
     except LocalLLMError as e:
         return _error(500, str(e))
+    if result is None:
+        return Response(status_code=499)
+    thoughts, text, last = result
     final = _final(served.id, last.finish_reason, last, timing, field)
     final[field] = _part(field, text, thoughts if show_thinking else "")
     return JSONResponse(final)
@@ -378,25 +375,21 @@ def _final(model_id: str, reason: str | None, last, timing: _Timing, field: str)
 
 
 async def _collect(gen, thinks: bool, inside: bool, timing: _Timing):
-    from localllm.thinking import ThinkingSplitter
+    """(thoughts, answer, last step) of a whole reply (thinking.split for a thinking model)."""
+    from localllm.thinking import split
 
-    splitter = ThinkingSplitter(inside)
-    splitter.done = not thinks
-    parts = {"thinking": [], "content": []}
-    last = None
+    texts, last = [], None
     try:
         async for step in gen:
             timing.first = timing.first or time.perf_counter()
-            for kind, piece in splitter.feed(step.text):
-                parts[kind].append(piece)
+            texts.append(step.text)
             last = step
     finally:
         gen.cancel()
-    for kind, piece in splitter.flush():
-        parts[kind].append(piece)
     if last is None:
         raise LocalLLMError("the generation ended without a result")
-    return "".join(parts["thinking"]).strip(), "".join(parts["content"]), last
+    text = "".join(texts)
+    return (*split(text, inside), last) if thinks else ("", text, last)
 
 
 async def _ndjson(gen, model_id, field, timing, thinks, inside, show_thinking):
@@ -525,12 +518,9 @@ async def show(request: Request) -> JSONResponse:
     body, error = await _body(request)
     if error is not None:
         return error
-    name = body.get("model") or body.get("name")  # "name" is the older spelling
-    if not isinstance(name, str) or not name:
-        return _error(400, "model is required")
-    served = await asyncio.to_thread(_pool(request).find, name)
-    if served is None:
-        return _error(404, f"model '{name}' not found")
+    served, error = await _served(request, body, older_name=True)
+    if error is not None:
+        return error
     try:
         described = await asyncio.to_thread(_describe, served)
     except LocalLLMError as e:

@@ -9,7 +9,7 @@ the start of a tag. Whether a model thinks is read from its chat template, and `
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 
 OPEN, CLOSE = "<think>", "</think>"
 THINKING, CONTENT = "thinking", "content"
@@ -20,10 +20,10 @@ def template_thinks(template_source: str) -> bool:
     return OPEN in template_source or "enable_thinking" in template_source
 
 
-def prompt_opens_thinking(prompt_text: str) -> bool:
-    """Whether the prompt ends inside a think block (the reply then starts with thoughts)."""
-    text = prompt_text.rstrip()
-    return text.endswith(OPEN)
+def prompt_opens_thinking(tokenizer, prompt_ids: Sequence[int]) -> bool:
+    """Whether the prompt ends inside a think block (the reply then starts with thoughts).
+    The last 16 ids: "<think>" may be one token or 8 bytes."""
+    return tokenizer.decode(prompt_ids[-16:]).rstrip().endswith(OPEN)
 
 
 class ThinkingSplitter:
@@ -98,14 +98,6 @@ def split(text: str, inside: bool = False) -> tuple[str, str]:
     for kind, piece in [*splitter.feed(text), *splitter.flush()]:
         parts[kind].append(piece)
     return "".join(parts[THINKING]).strip(), "".join(parts[CONTENT])
-
-
-def pieces(texts: Iterator[str], inside: bool = False) -> Iterator[tuple[str, str]]:
-    """(kind, text) pieces of a stream of text deltas."""
-    splitter = ThinkingSplitter(inside)
-    for text in texts:
-        yield from splitter.feed(text)
-    yield from splitter.flush()
 
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
