@@ -130,8 +130,8 @@ async def messages(request: Request) -> Response:
     """POST /v1/messages."""
     from localllm.prompt import chat_prompt_ids, chat_template
     from localllm.sampling import make_logits_processors, make_sampler
-    from localllm.server import _checked_out, _collect_or_cancel, _Job
     from localllm.server_engine import Generation
+    from localllm.server_jobs import Job, checked_out, collect_or_cancel
 
     try:
         body = json.loads(await request.body())
@@ -189,15 +189,15 @@ async def messages(request: Request) -> Response:
             f"prompt is too long: {len(prompt_ids)} tokens + {max_tokens} max_tokens > "
             f"the context of {model.n_ctx}",
         )
-    job = _Job(served, model, prompt_ids, max_tokens, sampler, processors, stop, None)
-    gen = Generation(state.engine, partial(_checked_out, state.pool, job))
+    job = Job(served, model, prompt_ids, max_tokens, sampler, processors, stop, None)
+    gen = Generation(state.engine, partial(checked_out, state.pool, job))
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.get("stream"):
         return StreamingResponse(
             _events(gen, message_id, served.id, kind[0], stop, len(prompt_ids)),
             media_type="text/event-stream",
         )
-    result = await _collect_or_cancel(request, gen)
+    result = await collect_or_cancel(request, gen)
     if result is None:
         return Response(status_code=499)
     text, last, _ = result

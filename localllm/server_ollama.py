@@ -228,8 +228,8 @@ async def _generation(
 ) -> Response:
     """Run one generation for /api/chat (field "message") or /api/generate ("response")."""
     from localllm.sampling import make_logits_processors, make_sampler
-    from localllm.server import _checked_out, _collect_or_cancel, _Job
     from localllm.server_engine import Generation
+    from localllm.server_jobs import Job, checked_out, collect_or_cancel
     from localllm.server_schema import completion_id
 
     fmt = body.get("format")
@@ -298,7 +298,7 @@ async def _generation(
     room = n_ctx - len(prompt_ids)
     predict = options["num_predict"]
     max_tokens = room if predict is None or predict < 0 else min(predict, room)
-    job = _Job(
+    job = Job(
         served,
         model,
         prompt_ids,
@@ -309,7 +309,7 @@ async def _generation(
         None,
         id=completion_id("ollama"),
     )
-    gen = Generation(state.engine, partial(_checked_out, state.pool, job))
+    gen = Generation(state.engine, partial(checked_out, state.pool, job))
     show_thinking = thinks and think is not False
     if stream:
         return StreamingResponse(
@@ -317,7 +317,7 @@ async def _generation(
             media_type="application/x-ndjson",
         )
     try:
-        result = await _collect_or_cancel(request, gen, _collect(gen, thinks, inside, timing))
+        result = await collect_or_cancel(request, gen, _collect(gen, thinks, inside, timing))
     except LocalLLMError as e:
         return _error(500, str(e))
     if result is None:
