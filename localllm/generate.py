@@ -112,6 +112,25 @@ def generate_step(
             logits = transformer.forward([token], cache.n_past, cache=cache, interrupt=check)
 
 
+def prompt_logits(
+    model: Model,
+    prompt_ids: Sequence[int],
+    cache: KVCache,
+    should_stop: Callable[[], bool] | None = None,
+) -> Iterator[np.ndarray]:
+    """float32[vocab] after each prompt token but the last: the distribution the next prompt
+    token is scored against (the prompt's own logprobs: completions' echo). Prefills `cache`
+    with all of the prompt but its last token, so that a generation on it only runs that one."""
+    transformer = model.transformer
+    n = len(prompt_ids) - 1
+    with _interruptions(should_stop) as check:
+        for first in range(0, n, transformer.n_batch):
+            chunk = list(prompt_ids[first : min(first + transformer.n_batch, n)])
+            yield from transformer.forward(
+                chunk, first, all_logits=True, cache=cache, interrupt=check
+            )
+
+
 def _stop_cut(text: str, stop: Sequence[str]) -> tuple[int, int]:
     """(index of the first complete stop string or -1, length of text safe to emit)."""
     first = -1

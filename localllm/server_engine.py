@@ -77,10 +77,11 @@ class Engine:
 
     # -- the event-loop side ----------------------------------------------------------------
 
-    def check_room(self) -> None:
-        """Raise EngineBusy now if a new sequence would be refused (before costly preparation)."""
+    def check_room(self, count: int = 1) -> None:
+        """Raise EngineBusy now if `count` new sequences would be refused (before costly
+        preparation)."""
         with self._cond:
-            self._check_room()
+            self._check_room(count)
 
     def submit(self, seq: Sequence) -> None:
         """Queue a sequence, or raise EngineBusy when `parallel + max_queue` are already in."""
@@ -127,11 +128,11 @@ class Engine:
             self._thread = threading.Thread(target=self._run, name="localllm-engine", daemon=True)
             self._thread.start()
 
-    def _check_room(self) -> None:
+    def _check_room(self, count: int = 1) -> None:
         self._purge_cancelled()
         # A cancelled sequence still in _active leaves at its next step: it takes no room.
         running = sum(not s.cancelled for s in self._active)
-        if running + len(self._waiting) >= self.parallel + self.max_queue:
+        if running + len(self._waiting) + count > self.parallel + self.max_queue:
             raise EngineBusy(
                 f"the server is busy ({self.parallel} requests running, {self.max_queue} "
                 "queued); retry later"

@@ -16,11 +16,11 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from localllm.errors import LocalLLMError
-from localllm.generate import stream_generate
+from localllm.generate import prompt_logits, stream_generate
 from localllm.models import Model
 from localllm.sampling import Sampler
 from localllm.server_engine import Engine, EngineBusy, Generation, cancel_check
-from localllm.server_schema import APIError, now, token_logprobs
+from localllm.server_schema import APIError, now, token_entry, token_logprobs
 
 if TYPE_CHECKING:
     from localllm.server import ModelPool, ServedModel
@@ -55,12 +55,22 @@ class Job:
     top_logprobs: int | None  # None: no logprobs
     id: str = ""
     created: int = field(default_factory=now)
+    # Completions' echo with logprobs: the prompt's own logprobs with this many alternatives;
+    # steps() fills prompt_entries (the first token's logprob None) before its first step.
+    prompt_logprobs: int | None = None
+    prompt_entries: list[dict[str, Any]] | None = None
 
 
 def steps(job: Job) -> Iterator[Step]:
     """The engine-side generator: stream_generate on a fresh KV cache, one item per step."""
     model = job.model
     want_logprobs = job.top_logprobs is not None
+    # Each request its own sequence: a fresh cache, so that answers never depend on what
+    # else the server has run (the pages are only touched as positions fill).
+    cache = model.transformer.new_cache()
+    should_stop = cancel_check()  # a client that leaves stops even a long prefill
+    if job.prompt_logprobs is not None:
+        job.prompt_entries = _prompt_entries(job, cache, should_stop)
     responses = stream_generate(
         model,
         job.prompt_ids,
@@ -68,11 +78,9 @@ def steps(job: Job) -> Iterator[Step]:
         sampler=job.sampler,
         logits_processors=job.processors,
         stop=job.stop,
-        # Each request its own sequence: a fresh cache, so that answers never depend on what
-        # else the server has run (the pages are only touched as positions fill).
-        cache=model.transformer.new_cache(),
+        cache=cache,  # holds the prompt but its last token when prompt_entries ran
         return_logits=want_logprobs,
-        should_stop=cancel_check(),  # a client that leaves stops even a long prefill
+        should_stop=should_stop,
     )
     with contextlib.closing(responses):
         for r in responses:
@@ -91,6 +99,17 @@ def steps(job: Job) -> Iterator[Step]:
                     r.generation_tps,
                     r.finish_reason,
                 )
+
+
+def _prompt_entries(job: Job, cache, should_stop) -> list[dict[str, Any]]:
+    """Each prompt token's logprob under the tokens before it (the first has none), computed
+    while prefilling `cache`, which the generation then reuses."""
+    tokenizer, ids = job.model.tokenizer, job.prompt_ids
+    entries = [{**token_entry(tokenizer, ids[0], None), "top_logprobs": None}]
+    rows = prompt_logits(job.model, ids, cache, should_stop)
+    for token, logits in zip(ids[1:], rows):
+        entries.append(token_logprobs(tokenizer, token, logits, job.prompt_logprobs))
+    return entries
 
 
 def checked_out(pool: ModelPool, job: Job) -> Iterator[Step]:
@@ -150,10 +169,9 @@ async def collect_or_cancel(
         done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        if not task.done():
-            task.cancel()
-            for gen in every:
-                gen.cancel()
+        task.cancel()
+        for gen in every:  # also those still running when another one failed
+            gen.cancel()
     return task.result() if task in done else None
 
 
@@ -163,9 +181,9 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def guarded(events: AsyncIterator[str], gen: Generation) -> AsyncIterator[str]:
+async def guarded(events: AsyncIterator[str], gens: list[Generation]) -> AsyncIterator[str]:
     """The events of a chat or completion stream; an error after the headers went out is
-    reported in-band, as OpenAI and vLLM do, and `gen` is cancelled however the stream ends
+    reported in-band, as OpenAI and vLLM do, and `gens` are cancelled however the stream ends
     (Starlette stops iterating when the client goes away)."""
     try:
         async for event in events:
@@ -175,7 +193,8 @@ async def guarded(events: AsyncIterator[str], gen: Generation) -> AsyncIterator[
         yield sse(error.body())
         yield sse("[DONE]")
     finally:
-        gen.cancel()
+        for gen in gens:
+            gen.cancel()
 
 
 def internal_error(e: Exception) -> APIError:
@@ -187,10 +206,40 @@ def internal_error(e: Exception) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
 
 
-def event_stream(events: AsyncIterator[str], gen: Generation) -> StreamingResponse:
-    """The SSE response of a stream of `gen`'s events (guarded: see guarded)."""
+def event_stream(events: AsyncIterator[str], gens: list[Generation]) -> StreamingResponse:
+    """The SSE response of a stream of `gens`' events (guarded: see guarded)."""
     return StreamingResponse(
-        guarded(events, gen),
+        guarded(events, gens),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+async def merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    """The items of several async iterators as they come (n choices streamed together); an
+    error in one ends the whole."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+            await queue.put(end)
+        except Exception as e:
+            await queue.put(e)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is end:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -19,6 +19,7 @@ from localllm.tokenizer import Tokenizer
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16  # n: each choice is a sequence of its own on the engine
 
 
 class APIError(Exception):
@@ -91,7 +92,7 @@ class _Sampling(_Request):
     stop: str | list[str] | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling parameters (top_k -1 or 0 disables it, as in vLLM).
     top_k: int | None = Field(None, ge=-1)
@@ -108,6 +109,10 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    # llama-server's and vLLM's: variables for the chat template (enable_thinking, ...), and
+    # "none" to leave a thinking model's thoughts in content instead of reasoning_content.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_format: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -121,11 +126,7 @@ class CompletionRequest(_Sampling):
 
 
 def check_common(req: _Sampling) -> None:
-    """400 for what is valid JSON but not served: n > 1, logit_bias, too many stop strings."""
-    if req.n is not None and req.n != 1:
-        raise bad_request("only n=1 is supported", param="n")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
+    """400 for what is valid JSON but not served: too many stop strings."""
     stops = stop_strings(req.stop)
     if len(stops) > MAX_STOP_STRINGS or sum(len(s) for s in stops) > MAX_STOP_CHARS:
         raise bad_request(
@@ -204,19 +205,23 @@ def token_logprobs(
     if top_n > 0:
         ids = np.argpartition(-x, top_n - 1)[:top_n]
         ids = ids[np.argsort(-x[ids], kind="stable")]
-        top = [_token_entry(tokenizer, int(i), float(x[i]) - log_z) for i in ids]
-    entry = _token_entry(tokenizer, token, float(x[token]) - log_z)
+        top = [token_entry(tokenizer, int(i), float(x[i]) - log_z) for i in ids]
+    entry = token_entry(tokenizer, token, float(x[token]) - log_z)
     entry["top_logprobs"] = top
     return entry
 
 
-def _token_entry(tokenizer: Tokenizer, token: int, logprob: float) -> dict[str, Any]:
+def token_entry(tokenizer: Tokenizer, token: int, logprob: float | None) -> dict[str, Any]:
     data = tokenizer.token_to_bytes(token)
     return {
         "token": data.decode("utf-8", errors="replace"),
         "logprob": logprob,
         "bytes": list(data),
     }
+
+
+def _alternatives(top: list[dict[str, Any]] | None) -> dict[str, float] | None:
+    return None if top is None else {t["token"]: t["logprob"] for t in top}
 
 
 def legacy_logprobs(entries: list[dict[str, Any]], text_offset: int = 0) -> dict[str, Any]:
@@ -229,6 +234,6 @@ def legacy_logprobs(entries: list[dict[str, Any]], text_offset: int = 0) -> dict
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "top_logprobs": [_alternatives(e["top_logprobs"]) for e in entries],
         "text_offset": offsets,
     }

@@ -292,7 +292,8 @@ def test_bad_requests_get_openai_errors(server, client):
     good = {"model": MODEL_ID, "messages": HELLO, "max_tokens": 2, "temperature": 0}
     assert_envelope(post(url, b'{"model": "x", "messages": ['), 400)
     assert_envelope(post(url, {**good, "max_tokens": -5}), 400, param="max_tokens")
-    assert_envelope(post(url, {**good, "n": 3}), 400, param="n")
+    assert_envelope(post(url, {**good, "n": 0}), 400, param="n")
+    assert_envelope(post(url, {**good, "n": 17}), 400, param="n")
     assert_envelope(post(url, {"model": MODEL_ID}), 400, param="messages")
     assert_envelope(post(url, {**good, "temperature": 3}), 400, param="temperature")
     assert_envelope(post(url, [1, 2]), 400)
@@ -319,7 +320,7 @@ def test_bad_requests_get_openai_errors(server, client):
 
     # The official client maps them to its exception types.
     with pytest.raises(openai.BadRequestError):
-        chat(client, n=3)
+        chat(client, n=0)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=HELLO)
     with pytest.raises(openai.AuthenticationError):
@@ -723,7 +724,7 @@ def test_cors_for_listed_origins():
             httpx.get(f"{url}/v1/models", headers={**origin, "Authorization": f"Bearer {KEY}"}),
             httpx.get(f"{url}/v1/models", headers=origin),  # 401
             post(chat_url, {**good, "model": "nope"}, headers=origin),  # 404
-            post(chat_url, {**good, "n": 2}, headers=origin),  # 400
+            post(chat_url, {**good, "n": 0}, headers=origin),  # 400
             post(f"{url}/api/generate", {"model": MODEL_ID, "prompt": 5}, headers=origin),  # 400
         ]
         assert [a.status_code for a in answers] == [200, 401, 404, 400, 400]
