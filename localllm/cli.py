@@ -603,10 +603,24 @@ def serve(
         32, "--max-queue", min=0, help="Requests that may wait beyond those; more get 503."
     ),
     cors_origin: list[str] | None = SERVE_CORS_ORIGINS,
+    keep_alive: str = typer.Option(
+        "5m",
+        "--keep-alive",
+        envvar="LOCALLLM_KEEP_ALIVE",
+        help="How long an idle model stays loaded: a duration (30s, 5m, 1h) or seconds; "
+        "-1 keeps it loaded. Ollama requests may ask for their own (keep_alive).",
+    ),
     debug: bool = DEBUG,
 ) -> None:
-    """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models."""
+    """Serve OpenAI's, Ollama's and Anthropic's APIs (/v1/chat/completions, /api/chat,
+    /v1/messages, ...) on localhost."""
     from localllm.server import serve as run_server
+    from localllm.server_ollama import keep_alive_seconds
+
+    try:
+        keep = keep_alive_seconds(keep_alive)
+    except ValueError as e:
+        raise LocalLLMError(f"--keep-alive: {e}") from None
 
     # Comma-separated, like OLLAMA_ORIGINS; the option, when given, replaces the variable.
     origins = cors_origin or os.environ.get("LOCALLLM_ORIGINS", "").split(",")
@@ -622,6 +636,7 @@ def serve(
         max_queue=max_queue,
         log_level="debug" if debug else "info",
         cors_origins=origins,
+        keep_alive=keep,
     )
 
 

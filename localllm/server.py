@@ -22,6 +22,7 @@ import math
 import socket
 import sys
 import threading
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -52,6 +53,8 @@ from localllm.server_schema import (
 DEFAULT_PORT = 8357
 DEFAULT_PARALLEL = 4  # sequences decoded in turn; each holds a KV cache
 DEFAULT_MAX_QUEUE = 32  # requests waiting beyond those (no cache yet); past it, 503
+DEFAULT_KEEP_ALIVE = 300.0  # seconds an idle model stays loaded: Ollama's 5 minutes
+SWEEP_SECONDS = 1.0  # how often idle models are checked against their keep-alive
 MAX_BODY_BYTES = 4 * 1024 * 1024
 REPEAT_LAST_N = 64  # penalty window, llama.cpp's default (the one `localllm run` uses)
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
@@ -83,6 +86,7 @@ class LoadedModel:
     nbytes: int  # the file plus the KV cache of one full context
     device: str  # the backend's name: "cpu" or "cuda"
     stopping_since: datetime | None = None  # set while an unload waits for running requests
+    expires: float = math.inf  # when it unloads if idle (time.time()); inf: kept loaded
 
     @classmethod
     def of(cls, model_id: str, model: Model) -> LoadedModel:
@@ -102,7 +106,10 @@ class LoadedModel:
 
 
 class ModelPool:
-    """The served models, loaded on first use (on the engine thread) and kept loaded.
+    """The served models, loaded on first use (on the engine thread) and unloaded once idle
+    for their keep-alive: the server's (`serve --keep-alive`, Ollama's 5 minutes by default),
+    or what the last request on the model asked for (Ollama's `keep_alive`: 0 unloads when it
+    ends, a negative one never).
 
     With `specs` (names of installed models, or .gguf paths given by the operator) only those
     are served; without, every model installed in the store is. A request's model name is only
@@ -116,9 +123,11 @@ class ModelPool:
         n_ctx: int | None = None,
         n_threads: int | None = None,
         device: str = "auto",
+        keep_alive: float = DEFAULT_KEEP_ALIVE,
     ) -> None:
         self._engine = engine
         self._load_args = (n_ctx, n_threads, device)
+        self.keep_alive = keep_alive  # seconds; math.inf: never unloaded for idleness
         self._loaded: dict[str, Model] = {}
         self._ctx_lengths: dict[str, int] = {}
         self._fixed: dict[str, ServedModel] | None = None
@@ -127,6 +136,7 @@ class ModelPool:
         self._info: dict[str, LoadedModel] = {}  # id -> the loaded model, as /api/ps says
         self._stopping: dict[str, datetime] = {}  # id -> when its unload was asked for
         self._running: dict[str, int] = {}  # id -> sequences using it (engine thread only)
+        self._expires: dict[str, float] = {}  # id -> when it unloads, idle (time.time())
         self._digests: dict[Path, str] = {}
         if specs:
             self._fixed = {}
@@ -181,6 +191,7 @@ class ModelPool:
             self._loaded[served.id] = model
             with self._lock:
                 self._info[served.id] = LoadedModel.of(served.id, model)
+            self._keep(served.id, None)
             log.info("loaded %s (context %d) in %.1f s", served.id, model.n_ctx, model.load_seconds)
         return model
 
@@ -210,17 +221,57 @@ class ModelPool:
     # takes the model from the pool when it starts, so one that was queued behind an unload
     # loads the model again instead of running on a closed one.
 
-    def checkout(self, served: ServedModel) -> Model:
-        """The loaded model for a sequence starting now (engine thread; loads it if needed)."""
+    def checkout(self, served: ServedModel, keep_alive: float | None = None) -> Model:
+        """The loaded model for a sequence starting now (engine thread; loads it if needed).
+        `keep_alive`: how long the model stays loaded once idle (None: the server's)."""
         model = self._load_on_engine(served)
         self._running[served.id] = self._running.get(served.id, 0) + 1
+        self._keep(served.id, keep_alive)
         return model
 
-    def checkin(self, served: ServedModel) -> None:
-        """A sequence is done with its model (engine thread); a pending unload happens now."""
+    def checkin(self, served: ServedModel, keep_alive: float | None = None) -> None:
+        """A sequence is done with its model (engine thread); a pending unload happens now,
+        and the keep-alive counts from now."""
         self._running[served.id] -= 1
-        if not self._running[served.id] and served.id in self._stopping:
+        if self._running[served.id]:
+            return
+        if served.id in self._stopping or keep_alive == 0:
             self._unload_now(served.id)
+        else:
+            self._keep(served.id, keep_alive)
+
+    async def keep(self, served: ServedModel, keep_alive: float | None) -> None:
+        """Keep a loaded model for `keep_alive` seconds from now (Ollama's load request)."""
+        await asyncio.wrap_future(self._engine.call(partial(self._keep, served.id, keep_alive)))
+
+    def _keep(self, model_id: str, keep_alive: float | None) -> None:
+        if model_id not in self._loaded:
+            return
+        seconds = self.keep_alive if keep_alive is None else keep_alive
+        with self._lock:
+            self._expires[model_id] = time.time() + seconds if seconds >= 0 else math.inf
+        if seconds == 0 and not self._running.get(model_id):
+            self._unload_now(model_id)
+
+    def expires(self, model_id: str) -> float:
+        """When a loaded model unloads if it stays idle (time.time(); math.inf: never)."""
+        with self._lock:
+            return self._expires.get(model_id, math.inf)
+
+    def unload_expired(self) -> None:
+        """Unload the idle models whose keep-alive has run out (run now and then)."""
+        now = time.time()
+        with self._lock:
+            due = [m for m, when in self._expires.items() if when <= now]
+        if due:
+            self._engine.call(partial(self._unload_if_idle, due, now))
+
+    def _unload_if_idle(self, model_ids: list[str], now: float) -> None:
+        for model_id in model_ids:
+            idle = model_id in self._loaded and not self._running.get(model_id)
+            if idle and self.expires(model_id) <= now:
+                log.info("%s has been idle for its keep-alive", model_id)
+                self._unload_now(model_id)
 
     async def unload(self, served: ServedModel) -> None:
         """Unload a model now, or once the requests running on it end (a no-op if not loaded)."""
@@ -241,6 +292,7 @@ class ModelPool:
         with self._lock:
             self._info.pop(model_id, None)
             self._stopping.pop(model_id, None)
+            self._expires.pop(model_id, None)
         self._running.pop(model_id, None)
         model = self._loaded.pop(model_id)
         # The map goes once the last reference does; requests still holding the model object
@@ -249,11 +301,15 @@ class ModelPool:
         log.info("unloaded %s", model_id)
 
     def loaded(self) -> list[LoadedModel]:
-        """The models loaded now, in load order, with `stopping_since` set for those whose
-        unload waits for running requests."""
+        """The models loaded now, in load order, with when each unloads if idle, and
+        `stopping_since` set for those whose unload waits for running requests."""
         with self._lock:
             return [
-                replace(info, stopping_since=self._stopping.get(model_id))
+                replace(
+                    info,
+                    stopping_since=self._stopping.get(model_id),
+                    expires=self._expires.get(model_id, math.inf),
+                )
                 for model_id, info in self._info.items()
             ]
 
@@ -284,6 +340,7 @@ class ModelPool:
         with self._lock:
             self._info.clear()
             self._stopping.clear()
+            self._expires.clear()
 
 
 async def health(request: Request) -> JSONResponse:
@@ -511,6 +568,7 @@ def create_app(
     max_queue: int = DEFAULT_MAX_QUEUE,
     max_body: int = MAX_BODY_BYTES,
     cors_origins: list[str] | None = None,
+    keep_alive: float = DEFAULT_KEEP_ALIVE,
 ) -> FastAPI:
     """The ASGI app. `models`: installed model names or .gguf paths (none: every installed
     model); `host`: the address it will be bound to (a loopback one turns on the Host and
@@ -518,11 +576,18 @@ def create_app(
     Raises LocalLLMError for a model that is not there or an origin that is not one."""
     cors = CORSPolicy(cors_origins or [])
     engine = Engine(parallel=parallel, max_queue=max_queue)
-    pool = ModelPool(list(models or []), engine, n_ctx, n_threads, device)
+    pool = ModelPool(list(models or []), engine, n_ctx, n_threads, device, keep_alive)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        async def sweep() -> None:
+            while True:
+                await asyncio.sleep(SWEEP_SECONDS)
+                pool.unload_expired()
+
+        sweeper = asyncio.ensure_future(sweep())
         yield
+        sweeper.cancel()
         # Unmapping the weights under a step still running would crash: only once it is done.
         if engine.stop():
             pool.close()
@@ -577,12 +642,23 @@ def serve(
     max_body: int = MAX_BODY_BYTES,
     log_level: str = "info",
     cors_origins: list[str] | None = None,
+    keep_alive: float = DEFAULT_KEEP_ALIVE,
 ) -> None:
     """Serve the API until interrupted (blocking). Startup messages go to stderr."""
     import uvicorn
 
     app = create_app(
-        models, host, api_key, n_ctx, n_threads, device, parallel, max_queue, max_body, cors_origins
+        models,
+        host,
+        api_key,
+        n_ctx,
+        n_threads,
+        device,
+        parallel,
+        max_queue,
+        max_body,
+        cors_origins,
+        keep_alive,
     )
     sock = _listen(host, port)
     for warning in (exposure_warning(host, port, api_key), cors_warning(app.state.cors.origins)):

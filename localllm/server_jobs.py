@@ -59,6 +59,7 @@ class Job:
     # steps() fills prompt_entries (the first token's logprob None) before its first step.
     prompt_logprobs: int | None = None
     prompt_entries: list[dict[str, Any]] | None = None
+    keep_alive: float | None = None  # seconds the model stays loaded after (None: the server's)
 
 
 def steps(job: Job) -> Iterator[Step]:
@@ -115,11 +116,11 @@ def _prompt_entries(job: Job, cache, should_stop) -> list[dict[str, Any]]:
 def checked_out(pool: ModelPool, job: Job) -> Iterator[Step]:
     """steps on the model the pool holds when the sequence starts, checked back in when it
     ends, so that an unload never closes a model under a running sequence."""
-    job.model = pool.checkout(job.served)
+    job.model = pool.checkout(job.served, job.keep_alive)
     try:
         yield from steps(job)
     finally:
-        pool.checkin(job.served)
+        pool.checkin(job.served, job.keep_alive)
 
 
 class State:

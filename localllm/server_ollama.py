@@ -5,10 +5,13 @@
     GET  /api/ps, /api/version      the loaded models; the version
     POST /api/generate {"model": NAME, "keep_alive": 0} with no prompt unloads a model
 
+`keep_alive` (seconds or a Go duration; 0 unloads when the request ends, negative keeps the
+model) sets how long the model stays loaded once idle (the pool's; the server's by default).
 `options` takes temperature, top_k, top_p, min_p, seed, stop, num_predict, repeat_penalty,
 repeat_last_n, presence_penalty and frequency_penalty with Ollama's defaults; num_ctx is accepted
 and the server's own context (`serve -c`) applies. `format` ("json" or a JSON schema) constrains
-the output (constrained.py). `tools` and images are answered 400 (not supported yet). `think`
+the output (constrained.py). `tools` go through the template and calls come back in
+`message.tool_calls` (tool_calls.py); images are answered 400 (text models). `think`
 reaches a thinking model's template and its thoughts come back in `thinking`. Errors come in
 Ollama's shape, {"error": "..."}: 400 for a bad request (malformed JSON, wrong types, a prompt
 longer than the context, a schema that cannot be compiled), 404 for an unknown model. Also
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -29,18 +33,21 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from localllm import tool_calls
 from localllm.errors import LocalLLMError
 from localllm.server_engine import EngineBusy
 
 if TYPE_CHECKING:
     from localllm.server import LoadedModel, ModelPool
 
-# Models stay loaded until stopped. Ollama reports that (keep_alive -1) as an expiry far ahead,
-# which its clients show as "Forever" (anything more than 20 years away).
+# A model kept loaded forever (keep_alive -1): Ollama reports an expiry far ahead, which its
+# clients show as "Forever" (anything more than 20 years away).
 KEPT_LOADED = timedelta(days=100 * 365)
 
-# keep_alive is seconds as a number, or a Go duration string ("0", "0s", "0m", "0h0m0s").
-_ZERO_DURATION = re.compile(r"[+-]?(0|((0+(\.0*)?|\.0+)(ns|us|µs|μs|ms|s|m|h))+)")
+# keep_alive is seconds as a number, or a Go duration string ("0", "30s", "1h30m", "-1m").
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1, "m": 60}
+_UNIT_SECONDS["h"] = 3600
 
 
 def timestamp(when: datetime) -> str:
@@ -72,7 +79,11 @@ def _running_model(info: LoadedModel, digest: str, now: datetime) -> dict[str, A
 
     # Stopping (waiting for its running requests): an expiry in the past, which Ollama's
     # clients show as "Stopping...".
-    expires = info.stopping_since or now + KEPT_LOADED
+    expires = info.stopping_since
+    if expires is None and math.isinf(info.expires):
+        expires = now + KEPT_LOADED
+    elif expires is None:
+        expires = datetime.fromtimestamp(info.expires, timezone.utc)
     return {
         "name": info.id,
         "model": info.id,
@@ -92,13 +103,25 @@ def _running_model(info: LoadedModel, digest: str, now: datetime) -> dict[str, A
     }
 
 
-def is_zero_keep_alive(value: Any) -> bool:
-    """Whether a request's keep_alive means "unload now" (0 s as a number or a duration)."""
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, (int, float)):
-        return value == 0
-    return isinstance(value, str) and _ZERO_DURATION.fullmatch(value) is not None
+def keep_alive_seconds(value: Any) -> float | None:
+    """A keep_alive in seconds (math.inf for a negative one: kept loaded), or None when not
+    given (the server's own then). ValueError for what is neither a number nor a duration."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError("keep_alive must be a number of seconds or a duration such as 5m")
+    if isinstance(value, str):
+        text = value.strip()
+        body = text.lstrip("+-")
+        if re.fullmatch(r"\d+(\.\d*)?", body):  # a number as a string: seconds
+            seconds = float(body)
+        else:
+            parts = _DURATION_PART.findall(body)
+            if not parts or "".join(n + u for n, u in parts) != body:
+                raise ValueError(f"keep_alive {value!r} is not a duration such as 5m or 1h30m")
+            seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+        value = -seconds if text.startswith("-") else seconds
+    return math.inf if value < 0 else float(value)
 
 
 async def generate(request: Request) -> Response:
@@ -115,10 +138,15 @@ async def generate(request: Request) -> Response:
     if prompt is not None and not isinstance(prompt, str):
         return _error(400, "prompt must be a string")
     if not prompt:
-        if is_zero_keep_alive(body.get("keep_alive")):
+        try:
+            keep = keep_alive_seconds(body.get("keep_alive"))
+        except ValueError as e:
+            return _error(400, str(e))
+        if keep == 0:
             return await _unload(pool, served)
-        # Ollama's "load a model" request: load it and answer done.
+        # Ollama's "load a model" request: load it, keep it that long, and answer done.
         await pool.load(served)
+        await pool.keep(served, keep)
         return JSONResponse(_loaded(served.id, "response"))
     system = body.get("system")
     if system is not None and not isinstance(system, str):
@@ -150,11 +178,27 @@ async def chat(request: Request) -> Response:
             return _error(400, f"messages[{i}].content must be a string")
         if m.get("images"):
             return _error(400, "images are not supported: localllm runs text models")
-        if m.get("tool_calls") or m["role"] == "tool":
-            return _error(400, "tool calls are not supported yet")
-        turns.append({"role": m["role"], "content": content})
-    if not turns:  # Ollama: an empty chat loads the model
+        turn: dict[str, Any] = {"role": m["role"], "content": content}
+        calls = m.get("tool_calls")
+        if calls is not None:  # an assistant's calls: [{"function": {name, arguments: {}}}]
+            if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls
+            ):
+                return _error(400, f"messages[{i}].tool_calls must be a list of calls")
+            turn["tool_calls"] = [{"type": "function", **c} for c in calls]
+        for key in ("tool_name", "name"):  # a tool result names its tool (Ollama: tool_name)
+            if isinstance(m.get(key), str):
+                turn["name"] = m[key]
+        turns.append(turn)
+    if not turns:  # Ollama: an empty chat loads the model (or unloads it, with keep_alive 0)
+        try:
+            keep = keep_alive_seconds(body.get("keep_alive"))
+        except ValueError as e:
+            return _error(400, str(e))
+        if keep == 0:
+            return await _unload(_pool(request), served)
         await _pool(request).load(served)
+        await _pool(request).keep(served, keep)
         return JSONResponse(_loaded(served.id, "message"))
     return await _generation(request, body, served, turns, False, "message")
 
@@ -235,8 +279,9 @@ async def _generation(
     fmt = body.get("format")
     if fmt and fmt != "json" and not isinstance(fmt, dict):
         return _error(400, 'format must be "json" or a JSON schema object')
-    if body.get("tools"):
-        return _error(400, "tools are not supported yet")
+    tools = body.get("tools") or None
+    if tools is not None and (field != "message" or not _valid_tools(tools)):
+        return _error(400, "tools must be a list of {type: function, function: {name, ...}}")
     if body.get("images"):
         return _error(400, "images are not supported: localllm runs text models")
     stream = body.get("stream", True)
@@ -244,6 +289,7 @@ async def _generation(
     if not isinstance(stream, bool) or (think is not None and not isinstance(think, bool)):
         return _error(400, "stream and think must be true or false")
     try:
+        keep = keep_alive_seconds(body.get("keep_alive"))
         options = _options(body)
         seed = options.get("seed")
         sampler = make_sampler(
@@ -267,15 +313,23 @@ async def _generation(
     model = await state.pool.load(served)
     timing = _Timing(start, time.perf_counter() - start)
 
+    kind: list[str | None] = [None]  # the model's tool-call format, read with its template
+
     def build_ids(model) -> tuple[list[int], bool, bool]:
         from localllm.prompt import chat_prompt_ids, chat_template, raw_prompt_ids
         from localllm.thinking import prompt_opens_thinking, template_thinks
 
         if raw:
             return raw_prompt_ids(model, messages[-1]["content"]), False, False
-        thinks = template_thinks(chat_template(model).source)
+        source = chat_template(model).source
+        thinks = template_thinks(source)
         extra = {"enable_thinking": think} if think is not None and thinks else {}
-        ids = chat_prompt_ids(model, messages, **extra)
+        if tools is not None:
+            kind[0] = tool_calls.family(source)
+            if kind[0] is None:  # Ollama's words
+                raise LocalLLMError(f"{served.id} does not support tools")
+            extra["tools"] = tools
+        ids = chat_prompt_ids(model, tool_calls.template_messages(messages), **extra)
         inside = thinks and prompt_opens_thinking(model.tokenizer, ids)
         return ids, thinks, inside
 
@@ -308,12 +362,13 @@ async def _generation(
         list(options.get("stop") or []),
         None,
         id=completion_id("ollama"),
+        keep_alive=keep,
     )
     gen = Generation(state.engine, partial(checked_out, state.pool, job))
     show_thinking = thinks and think is not False
     if stream:
         return StreamingResponse(
-            _ndjson(gen, served.id, field, timing, thinks, inside, show_thinking),
+            _ndjson(gen, served.id, field, timing, thinks, inside, show_thinking, kind[0]),
             media_type="application/x-ndjson",
         )
     try:
@@ -323,17 +378,35 @@ async def _generation(
     if result is None:
         return Response(status_code=499)
     thoughts, text, last = result
+    calls: list[tool_calls.ToolCall] = []
+    if tools is not None:
+        text, calls = tool_calls.parse(text, kind[0])
     final = _final(served.id, last.finish_reason, last, timing, field)
-    final[field] = _part(field, text, thoughts if show_thinking else "")
+    final[field] = _part(field, text, thoughts if show_thinking else "", calls)
     return JSONResponse(final)
 
 
-def _part(field: str, text: str, thinking: str) -> Any:
-    """The generated part: a message for /api/chat, the response text for /api/generate."""
+def _valid_tools(tools: Any) -> bool:
+    return isinstance(tools, list) and all(
+        isinstance(t, dict)
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+        for t in tools
+    )
+
+
+def _part(field: str, text: str, thinking: str, calls=()) -> Any:
+    """The generated part: a message for /api/chat, the response text for /api/generate.
+    Tool calls come as Ollama sends them: arguments an object, not JSON text."""
     if field == "message":
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if thinking:
             message["thinking"] = thinking
+        if calls:
+            message["tool_calls"] = [
+                {"function": {"index": i, "name": c.name, "arguments": json.loads(c.arguments)}}
+                for i, c in enumerate(calls)
+            ]
         return message
     return text
 
@@ -392,16 +465,30 @@ async def _collect(gen, thinks: bool, inside: bool, timing: _Timing):
     return (*split(text, inside), last) if thinks else ("", text, last)
 
 
-async def _ndjson(gen, model_id, field, timing, thinks, inside, show_thinking):
+async def _ndjson(gen, model_id, field, timing, thinks, inside, show_thinking, tool_kind=None):
     """One JSON object per line: a piece of the reply each, then the final one. Starlette
-    cancels this when the client goes away, which cancels the generation."""
+    cancels this when the client goes away, which cancels the generation. With tools
+    (`tool_kind`: the model's call format), text that may start a call is held until the
+    reply ends, then sent as tool_calls (or as the text it was)."""
     from localllm.thinking import ThinkingSplitter
 
     splitter = ThinkingSplitter(inside)
     splitter.done = not thinks
+    held, holding = "", tool_kind is not None
 
-    def line(kind: str, piece: str) -> str:
-        part = _part(field, piece if kind == "content" else "", piece if kind != "content" else "")
+    def lines(kind: str, piece: str):
+        nonlocal held, holding
+        if kind == "content" and holding:
+            held += piece
+            if tool_calls.could_start_call(held, tool_kind):
+                return
+            holding, piece = False, held
+        if kind == "content" or show_thinking:
+            yield line(kind, piece)
+
+    def line(kind: str, piece: str, calls=()) -> str:
+        thought = piece if kind != "content" else ""
+        part = _part(field, piece if kind == "content" else "", thought, calls)
         if field == "response" and kind != "content":
             body = {"model": model_id, "created_at": timestamp(datetime.now(timezone.utc)),
                     "response": "", "thinking": piece, "done": False}  # fmt: skip
@@ -416,11 +503,14 @@ async def _ndjson(gen, model_id, field, timing, thinks, inside, show_thinking):
             timing.first = timing.first or time.perf_counter()
             last = step
             for kind, piece in splitter.feed(step.text):
-                if kind == "content" or show_thinking:
-                    yield line(kind, piece)
+                for text in lines(kind, piece):
+                    yield text
         for kind, piece in splitter.flush():
-            if kind == "content" or show_thinking:
-                yield line(kind, piece)
+            for text in lines(kind, piece):
+                yield text
+        if holding and held:
+            content, calls = tool_calls.parse(held, tool_kind)
+            yield line("content", content, calls)
         reason = last.finish_reason if last is not None else "stop"
         yield json.dumps(_final(model_id, reason, last, timing, field)) + "\n"
     except Exception as e:  # headers are sent: report in-band, as Ollama does
@@ -550,7 +640,9 @@ async def version(request: Request) -> JSONResponse:
 # -- embeddings -----------------------------------------------------------------------------
 
 
-async def run_embeddings(request: Request, name: str, texts: list[str], truncate: bool):
+async def run_embeddings(
+    request: Request, name: str, texts: list[str], truncate: bool, keep_alive: float | None = None
+):
     """(served model, vectors, tokens, seconds, load seconds) for texts, on the engine thread
     (the model is checked out meanwhile, so that an unload waits). Raises LookupError for an
     unknown model and LocalLLMError for an input that cannot be embedded."""
@@ -566,11 +658,11 @@ async def run_embeddings(request: Request, name: str, texts: list[str], truncate
     load_s = time.perf_counter() - start
 
     def work():
-        model = state.pool.checkout(served)
+        model = state.pool.checkout(served, keep_alive)
         try:
             return embed_texts(model, texts, truncate)
         finally:
-            state.pool.checkin(served)
+            state.pool.checkin(served, keep_alive)
 
     vectors, n_tokens = await asyncio.wrap_future(state.engine.call(work))
     return served, vectors, n_tokens, time.perf_counter() - start, load_s
@@ -601,8 +693,12 @@ async def embed(request: Request) -> JSONResponse:
     if not isinstance(truncate, bool):
         return _error(400, "truncate must be true or false")
     try:
+        keep = keep_alive_seconds(body.get("keep_alive"))
+    except ValueError as e:
+        return _error(400, str(e))
+    try:
         served, vectors, n_tokens, total, load_s = await run_embeddings(
-            request, name, texts, truncate
+            request, name, texts, truncate, keep
         )
     except LookupError:
         return _error(404, f"model '{name}' not found")

@@ -81,6 +81,10 @@ def parse(text: str, kind: str | None) -> tuple[str, list[ToolCall]]:
         calls = [_call(body) for body in _HERMES.findall(text)]
         content = text[: text.index("<tool_call>")].strip()
         return content, [c for c in calls if c is not None]
+    if kind == "hermes":  # small Qwen models often drop the tags: a bare or fenced call
+        call = _bare_call(text)
+        if call is not None:
+            return "", [call]
     if kind == "mistral" and "[TOOL_CALLS]" in text:
         content, _, body = text.partition("[TOOL_CALLS]")
         try:
@@ -99,6 +103,24 @@ def parse(text: str, kind: str | None) -> tuple[str, list[ToolCall]]:
     return text, []
 
 
+_FENCED = re.compile(r"```(?:json)?\s*(\{.*\})\s*```", re.DOTALL)
+
+
+def _bare_call(text: str) -> ToolCall | None:
+    """A reply that is only {"name": ..., "arguments": {...}}, maybe in a ```json fence: a call,
+    as llama.cpp's Hermes parser also takes it."""
+    body = text.strip()
+    fenced = _FENCED.fullmatch(body)
+    body = fenced.group(1) if fenced else body
+    try:
+        item = json.loads(body) if body.startswith("{") else None
+    except ValueError:
+        return None
+    if isinstance(item, dict) and isinstance(item.get("arguments"), dict):
+        return _call(body)
+    return None
+
+
 def _call(body: str) -> ToolCall | None:
     try:
         item = json.loads(body)
@@ -115,6 +137,10 @@ def _call(body: str) -> ToolCall | None:
 def could_start_call(text: str, kind: str | None) -> bool:
     """Whether a streamed reply may still turn into a tool call (so it is held back)."""
     if kind == "hermes":
+        stripped = text.lstrip()
+        fence = "```json"
+        if stripped.startswith(("{", fence)) or fence.startswith(stripped):
+            return True  # maybe a bare or fenced call (see parse)
         marker = "<tool_call>"
     elif kind == "mistral":
         marker = "[TOOL_CALLS]"

@@ -654,9 +654,21 @@ def test_ps_and_stop_talk_to_a_running_server(monkeypatch, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"  # a file, not a pipe nobody reads while the server runs
+    KEEP = ["--keep-alive=-1", *FAST]  # loaded until stopped: ps says Forever
     with log.open("w") as stderr:
         server = subprocess.Popen(
-            [*LOCALLLM, "serve", "-m", str(path), "--port", str(port), "--api-key", "k", *FAST],
+            [
+                *LOCALLLM,
+                "serve",
+                "-m",
+                str(path),
+                "--port",
+                str(port),
+                "--api-key",
+                "k",
+                *KEEP,
+                *FAST,
+            ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=stderr,

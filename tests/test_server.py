@@ -10,6 +10,7 @@ import asyncio
 import collections
 import hashlib
 import json
+import math
 import shutil
 import socket
 import threading
@@ -31,6 +32,7 @@ from localllm.prompt import chat_prompt_ids, raw_prompt_ids
 from localllm.server import create_app, exposure_warning, is_loopback, serve
 from localllm.server_cors import CORSPolicy, cors_warning
 from localllm.server_engine import Engine, EngineBusy, Generation
+from localllm.server_ollama import keep_alive_seconds
 from localllm.store import Store
 
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
@@ -599,8 +601,9 @@ def test_ps_lists_loaded_models_and_keep_alive_0_unloads(tmp_path, local_model):
             "size_vram": 0,
             "context_length": N_CTX,
         }
-        # Kept loaded: more than 20 years ahead, which Ollama's clients show as "Forever".
-        assert parse_time(entry["expires_at"]) > datetime.now(timezone.utc) + timedelta(days=7300)
+        # Kept loaded for the default keep-alive after the request: Ollama's 5 minutes.
+        left = parse_time(entry["expires_at"]) - datetime.now(timezone.utc)
+        assert timedelta(minutes=4) < left <= timedelta(minutes=5)
         on_linux = Path("/proc/self/maps").exists()
         assert maps(path) or not on_linux
 
@@ -625,6 +628,46 @@ def test_ps_lists_loaded_models_and_keep_alive_0_unloads(tmp_path, local_model):
         assert unload(url, "smol-copy").status_code == 200
         assert unload(url, "smol-copy", keep_alive="0s").status_code == 200
         assert loaded(url) == []
+
+
+def test_keep_alive_durations():
+    assert keep_alive_seconds(None) is None
+    assert keep_alive_seconds(0) == keep_alive_seconds("0") == keep_alive_seconds("0s") == 0
+    assert keep_alive_seconds("0h0m0s") == 0
+    assert keep_alive_seconds("5m") == keep_alive_seconds(300) == keep_alive_seconds("300") == 300
+    assert keep_alive_seconds("1h30m") == 5400
+    assert keep_alive_seconds("1.5s") == 1.5
+    assert keep_alive_seconds(-1) == keep_alive_seconds("-1m") == math.inf
+    for bad in ("abc", "5 minutes", "", True, [1], "m"):
+        with pytest.raises(ValueError):
+            keep_alive_seconds(bad)
+
+
+def test_models_unload_after_their_keep_alive():
+    api = "/api/generate"
+    body = {"model": MODEL_ID, "prompt": "Hi", "options": {"num_predict": 1}, "stream": False}
+    with running_server(keep_alive=1.0) as (url, _):  # the server's own keep-alive: 1 s
+        assert post(url + api, body, key=None).status_code == 200
+        [entry] = loaded(url)
+        assert parse_time(entry["expires_at"]) <= datetime.now(timezone.utc) + timedelta(seconds=1)
+        wait_for(lambda: loaded(url) == [], "the idle model outlived its keep-alive")
+        # A request's own keep_alive wins: -1 keeps it loaded ("Forever")...
+        assert post(url + api, {**body, "keep_alive": -1}, key=None).status_code == 200
+        time.sleep(2.5)
+        [entry] = loaded(url)
+        assert parse_time(entry["expires_at"]) > datetime.now(timezone.utc) + timedelta(days=7300)
+        # ...a duration counts from the end of the request, and 0 unloads as the answer ends.
+        assert post(url + api, {**body, "keep_alive": "1m"}, key=None).status_code == 200
+        left = parse_time(loaded(url)[0]["expires_at"]) - datetime.now(timezone.utc)
+        assert timedelta(seconds=50) < left <= timedelta(minutes=1)
+        assert post(url + api, {**body, "keep_alive": 0}, key=None).status_code == 200
+        wait_for(lambda: loaded(url) == [], "keep_alive 0 did not unload the model")
+        # A load request (no prompt) keeps the model as long as it asks.
+        assert post(url + api, {"model": MODEL_ID, "keep_alive": "10m"}, key=None).json()["done"]
+        left = parse_time(loaded(url)[0]["expires_at"]) - datetime.now(timezone.utc)
+        assert timedelta(minutes=9) < left <= timedelta(minutes=10)
+        bad = post(url + api, {**body, "keep_alive": "soon"}, key=None)
+        assert bad.status_code == 400 and "keep_alive" in bad.json()["error"]
 
 
 def test_unload_waits_for_the_requests_running_on_the_model(local_model):

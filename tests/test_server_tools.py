@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import json
 
+import httpx
+import ollama
 import openai
 import pytest
 from live_server import running_server
 from real_models import model_path
 
 from localllm import tool_calls
+from localllm.models import load_model
+from localllm.prompt import chat_prompt_ids
 
 MODEL = "qwen2.5-coder-0.5b-instruct-q4_k_m"
 WEATHER = {
@@ -31,10 +35,15 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris right now?
 
 
 @pytest.fixture(scope="module")
-def client():
+def server():
     models = [str(model_path("qwen2.5-coder-0.5b")), str(model_path("smollm2-135m"))]
     with running_server(models=models, parallel=2, max_queue=4) as (url, _):
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def ask(client, **kwargs):
@@ -104,6 +113,10 @@ def test_bad_tool_requests(client):
         ('[TOOL_CALLS] [{"name": "g", "arguments": {"x": "y"}}]', "mistral", "", ["g"]),
         ('<|python_tag|>{"name": "h", "parameters": {"q": 2}}', "llama3", "", ["h"]),
         ("Just text.", "hermes", "Just text.", []),
+        # Untagged calls, as small Qwen models write them (and llama.cpp's parser takes):
+        ('{"name": "f", "arguments": {"a": 1}}', "hermes", "", ["f"]),
+        ('```json\n{"name": "f", "arguments": {}}\n```', "hermes", "", ["f"]),
+        ('{"name": "Bob", "age": 3}', "hermes", '{"name": "Bob", "age": 3}', []),
     ],
 )
 def test_each_familys_calls_are_parsed(text, kind, content, names):
@@ -111,3 +124,60 @@ def test_each_familys_calls_are_parsed(text, kind, content, names):
     assert parsed_content == content and [c.name for c in calls] == names
     for call in calls:
         json.loads(call.arguments)
+
+
+# -- Ollama's /api/chat with tools ------------------------------------------------------------
+
+# A request the 0.5B model answers with a call (untagged JSON, which parse() takes).
+CALL_ME = [{"role": "user", "content": "Use the get_weather tool to get the weather in Paris."}]
+OLLAMA_GREEDY = {"temperature": 0, "num_predict": 60}
+
+
+def test_ollama_chat_with_tools_and_the_round_trip(server):
+    client = ollama.Client(host=server, timeout=120)
+    reply = client.chat(MODEL, messages=CALL_ME, tools=[WEATHER], options=OLLAMA_GREEDY)
+    [call] = reply.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert call.function.arguments == {"city": "Paris"}  # an object, as Ollama sends it
+    assert reply.message.content == "" and reply.done_reason == "stop"
+    streamed = list(
+        client.chat(MODEL, messages=CALL_ME, tools=[WEATHER], options=OLLAMA_GREEDY, stream=True)
+    )
+    calls = [c for part in streamed for c in (part.message.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["get_weather"] and streamed[-1].done
+    assert not "".join(part.message.content or "" for part in streamed)
+    follow_up = [
+        *CALL_ME,
+        {"role": "assistant", "content": "", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_name": "get_weather", "content": '{"temperature_c": 18}'},
+    ]
+    # Sent as JSON as it is: the ollama client would drop the schema's maxLength.
+    body = {"model": MODEL, "messages": follow_up, "tools": [WEATHER], "stream": False}
+    answer = httpx.post(f"{server}/api/chat", json={**body, "options": OLLAMA_GREEDY}, timeout=120)
+    assert answer.status_code == 200 and answer.json()["done"]
+    # (The 0.5B model only calls again.) The server rendered the call and its result into the
+    # model's template: the prompt it ran is the one the template makes of that conversation.
+    model = load_model(model_path("qwen2.5-coder-0.5b"), n_ctx=512, device="cpu")
+    try:
+        turns = [
+            *CALL_ME,
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"type": "function", **call.model_dump()}],
+            },
+            {"role": "tool", "name": "get_weather", "content": '{"temperature_c": 18}'},
+        ]
+        ids = chat_prompt_ids(model, tool_calls.template_messages(turns), tools=[WEATHER])
+        text = model.tokenizer.decode(ids)
+    finally:
+        model.close()
+    assert "<tool_response>" in text and '{"temperature_c": 18}' in text and '"Paris"' in text
+    assert answer.json()["prompt_eval_count"] == len(ids)
+
+
+def test_ollama_tools_on_a_model_without_them(server):
+    client = ollama.Client(host=server, timeout=120)
+    with pytest.raises(ollama.ResponseError, match="does not support tools") as e:
+        client.chat("SmolLM2-135M-Instruct.Q4_1", messages=CALL_ME, tools=[WEATHER])
+    assert e.value.status_code == 400
