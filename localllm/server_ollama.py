@@ -561,9 +561,15 @@ def _describe(served) -> dict[str, Any]:
         "parameter_size": format_count(info["parameters"]),
         "quantization_level": info["quantization"] or "",
     }
-    capabilities = ["completion"]
-    if template_thinks(info["chat_template"] or ""):
-        capabilities.append("thinking")
+    template = info["chat_template"] or ""
+    # An embedding model (its file says how to pool) embeds; the others complete, and may
+    # take tools and think, as their templates show (Ollama's capabilities).
+    if f"{arch}.pooling_type" in metadata:
+        capabilities = ["embedding"]
+    else:
+        capabilities = ["completion"]
+        capabilities += ["tools"] if tool_calls.family(template) else []
+        capabilities += ["thinking"] if template_thinks(template) else []
     model_info = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in metadata.items()}
     model_info["general.parameter_count"] = info["parameters"]
     return {

@@ -181,3 +181,9 @@ def test_ollama_tools_on_a_model_without_them(server):
     with pytest.raises(ollama.ResponseError, match="does not support tools") as e:
         client.chat("SmolLM2-135M-Instruct.Q4_1", messages=CALL_ME, tools=[WEATHER])
     assert e.value.status_code == 400
+
+
+def test_ollama_show_says_which_models_take_tools(server):
+    client = ollama.Client(host=server, timeout=120)
+    assert client.show(MODEL).capabilities == ["completion", "tools"]
+    assert client.show("SmolLM2-135M-Instruct.Q4_1").capabilities == ["completion"]
