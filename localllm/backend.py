@@ -106,9 +106,11 @@ class Backend(Protocol):
         scale: float,
         softcap: float,
         out: Array,
+        sinks: Array | None = None,
     ) -> Array:
         """Causal GQA attention of q: float32[n_tokens, n_heads, head_dim] over the cache;
-        softcap > 0 caps the scaled scores at softcap * tanh(score / softcap) (Gemma 2)."""
+        softcap > 0 caps the scaled scores at softcap * tanh(score / softcap) (Gemma 2); sinks
+        (float32[n_heads]) add one logit per head to each softmax, weighting nothing (gpt-oss)."""
         ...
 
     def add_bias(self, x: Array, bias: Array) -> None: ...
@@ -118,6 +120,10 @@ class Backend(Protocol):
     def silu_mul(self, gate: Array, up: Array) -> None: ...
 
     def gelu_mul(self, gate: Array, up: Array) -> None: ...
+
+    def swiglu_oai_mul(self, gate: Array, up: Array) -> None:
+        """gate = swiglu_oai(gate, up), in place: gpt-oss's clamped SwiGLU (ops.swiglu_oai)."""
+        ...
 
     def scale(self, x: Array, factor: float) -> None: ...
 
@@ -310,9 +316,12 @@ class CPUBackend:
         """(cos, sin): float32[n_tokens, rope_dim // 2] each, for int64 positions."""
         return ops.rope_tables(positions, rope_dim, theta_base, scaling, freq_factors)
 
-    def attention(self, q, k_cache, v_cache, start_pos, window, scale, softcap, out) -> np.ndarray:
+    def attention(
+        self, q, k_cache, v_cache, start_pos, window, scale, softcap, out, sinks=None
+    ) -> np.ndarray:
         """With llama_cpp_rounding, q (overwritten) and the softmax probabilities are rounded to
-        half, as llama.cpp's matrix products with its f16 KV cache round them."""
+        half, as llama.cpp's matrix products with its f16 KV cache round them. sinks: None, or
+        float32[n_heads] sink logits (gpt-oss)."""
         f16 = self.llama_cpp_rounding
         if f16:
             q[...] = q.astype(np.float16)
@@ -321,9 +330,11 @@ class CPUBackend:
         per_job = ops.heads_per_job(n_tokens, n_heads, n_kv_heads, numba.get_num_threads())
         scores, row = self._attention_scratch(per_job, n_ctx, head_dim)
         scale, softcap = np.float32(scale), np.float32(softcap)
+        sinks = _NO_SINKS if sinks is None else sinks
         ops.attention(
-            q, k_cache, v_cache, start_pos, window, scale, softcap, f16, per_job, scores, row, out
-        )
+            q, k_cache, v_cache, start_pos, window, scale, softcap, sinks, f16, per_job, scores,
+            row, out,
+        )  # fmt: skip
         return out
 
     def _attention_scratch(self, heads: int, n_ctx: int, head_dim: int) -> tuple:
@@ -348,6 +359,9 @@ class CPUBackend:
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> None:
         ops.silu_mul(gate, up)
 
+    def swiglu_oai_mul(self, gate: np.ndarray, up: np.ndarray) -> None:
+        ops.swiglu_oai(gate, up)
+
     def gelu_mul(self, gate: np.ndarray, up: np.ndarray) -> None:
         if self.llama_cpp_rounding:  # ggml's half-precision table
             kernel = ops.gelu_tanh_mul if gate.shape[0] == 1 else ops.gelu_tanh_mul_rows
@@ -367,6 +381,7 @@ class CPUBackend:
 
 
 DEVICES = ("auto", "cpu", "cuda")
+_NO_SINKS = np.zeros(0, np.float32)  # attention without sink logits
 
 
 def make_backend(device: str = "auto", n_threads: int | None = None) -> Backend:

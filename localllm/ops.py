@@ -311,8 +311,8 @@ def _kv_value(x):
 # measured ~5x slower); their rounding order is not part of any contract.
 @njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
 def attention(
-    q, k_cache, v_cache, start_pos, window, scale, softcap, f16_probs, heads_per_job, scores, row,
-    out,
+    q, k_cache, v_cache, start_pos, window, scale, softcap, sinks, f16_probs, heads_per_job,
+    scores, row, out,
 ):  # fmt: skip
     """Causal multi-head attention over an f16 KV cache, with grouped K/V heads and an optional
     sliding window.
@@ -325,6 +325,8 @@ def attention(
     i - j < window (llama.cpp's standard SWA mask).
     softcap: 0, or each scaled score s becomes softcap * tanh(s / softcap) before the softmax
     (Gemma 2's attention logit softcapping, as ggml_scale -> ggml_tanh -> ggml_scale computes it).
+    sinks: float32[n_heads] or empty: each head's sink logit (gpt-oss), one more term of the
+    softmax's max and sum that weights no value, as ggml_soft_max_ext with sinks computes it.
     f16_probs: round the softmax probabilities to half before they weight V, as llama.cpp's
     K*Q -> softmax -> V*KQ graph does with its f16 KV cache (the V product takes f16 operands).
     heads_per_job: query heads of one K/V head that one job handles (a divisor of n_heads //
@@ -367,11 +369,15 @@ def attention(
             best = np.float32(-np.inf)
             for j in range(first, pos + 1):
                 best = max(best, s[g, j])
+            if sinks.shape[0]:
+                best = max(best, sinks[h0 + g])
             total = 0.0  # float64, as ggml's soft_max sums
             for j in range(first, pos + 1):
                 e = expf(s[g, j] - best)
                 s[g, j] = e
                 total += e
+            if sinks.shape[0]:
+                total += expf(sinks[h0 + g] - best)
             inv = np.float32(1.0 / total)
             for j in range(first, pos + 1):
                 p = s[g, j] * inv
@@ -416,6 +422,25 @@ def softmax_rows(x):
         inv = np.float32(1.0 / total)
         for j in range(n):
             x[i, j] *= inv
+
+
+# gpt-oss's SwiGLU: the gate clamped above, the linear part clamped both ways and shifted by 1
+# (ggml_swiglu_oai with the alpha and limit llama.cpp's build_moe_ffn passes).
+SWIGLU_OAI_ALPHA = np.float32(1.702)
+SWIGLU_OAI_LIMIT = np.float32(7.0)
+
+
+@njit(cache=True, error_model="numpy")
+def swiglu_oai(gate, up):
+    """gate = x * sigmoid(alpha * x) * (y + 1), in place, with x = min(gate, limit) and
+    y = clamp(up, -limit, limit), as ggml computes it. gate, up: float32[n_tokens, ffn_dim]."""
+    alpha, limit = SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+    for t in range(gate.shape[0]):
+        g, u = gate[t], up[t]
+        for i in range(g.shape[0]):
+            x = min(g[i], limit)
+            y = min(max(u[i], -limit), limit)
+            g[i] = x / (np.float32(1.0) + expf(alpha * -x)) * (y + np.float32(1.0))
 
 
 @njit(cache=True, error_model="numpy")  # numpy: no zero-division check, so the loop vectorizes

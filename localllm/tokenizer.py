@@ -99,6 +99,15 @@ _QWEN2_REGEX = (
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (GPT-4o, gpt-oss, Phi-4-mini): words with their case classes, contractions folded in
+_CASED_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    + _CASED_CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    + _CASED_CONTRACTIONS
+    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DEFAULT_REGEXES = (
     r"[\p{P}\$\+<=>\^~\|]+",
     _GPT2_REGEX,
@@ -151,6 +160,7 @@ _BPE_PRE_TOKENIZERS: dict[str, _BpePre] = {
     "deepseek-r1-qwen": _QWEN2,
     "stablelm2": _QWEN2,
     "megrez": _QWEN2,
+    "gpt-4o": _BpePre((_GPT4O_REGEX,)),
 }
 
 

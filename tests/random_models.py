@@ -49,6 +49,21 @@ TOKENIZERS = {
     "gemma": (None, ("<bos>", "<eos>", "<unk>", "<start_of_turn>", "<end_of_turn>")),
     "granite": ("refact", ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>")),
     "olmo": ("dbrx", ("<|endoftext|>", "<|pad|>")),
+    # o200k_harmony's specials (bos <|startoftext|>, eos <|return|> as the converter sets them)
+    "harmony": (
+        "gpt-4o",
+        (
+            "<|startoftext|>",
+            "<|return|>",
+            "<|endoftext|>",
+            "<|start|>",
+            "<|end|>",
+            "<|message|>",
+            "<|channel|>",
+            "<|constrain|>",
+            "<|call|>",
+        ),
+    ),  # fmt: skip
 }
 ADDS_BOS = {"llama3", "gemma"}  # tokenizers whose prompts start with BOS
 
@@ -100,6 +115,7 @@ class Case:
     moe: tuple[int, int, int, int] | None = None
     router_gain: float = 2.0
     prompt_lengths: tuple[int, ...] = (24, 90)
+    tokenize_text: str = ""  # the sentence llama.cpp tokenizes (default: the script's)
     qk_gain: float = 1.5  # q and k projections: output rms / input rms
     qk_norm_gain: float = 1.6  # qwen3: the per-head norm weights (score scale after QK-norm)
     # Small token embeddings (a residual stream that is mostly the last token's own embedding
@@ -311,6 +327,36 @@ CASES: dict[str, Case] = {
             moe=(8, 2, 64, 128),
             prompt_lengths=(30, 100),
         ),
+        Case(
+            "gpt-oss",
+            "gpt-oss",
+            "gpt-oss style: a sliding-window layer (window 16) then a global one, a sink logit "
+            "per head in each softmax, q/k/v/output biases, YaRN (factor 32 over an original "
+            "context of 64), NeoX RoPE; 8 experts of width 64 with biases, 2 chosen by the "
+            "biased router's logits and weighted by a softmax over those two, the clamped "
+            "SwiGLU; the FFN norm named post_attention_norm; 4 heads of 16 over 2 KV heads on "
+            "a 64 embedding, an untied head; the o200k (gpt-4o) pre-tokenizer",
+            seed=13,
+            dim=64,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=16,
+            ffn_dim=64,
+            context_length=4096,
+            rope_theta=150000.0,
+            tokenizer="harmony",
+            tied_embeddings=False,
+            write_head_dim=True,
+            rope_scaling=("yarn", 32.0, 64),
+            sliding_window=16,
+            embd_std=0.8,
+            output_norm_gain=1.0,
+            moe=(8, 2, 64, 0),
+            router_gain=3.0,
+            types={"embd": "F16", "output": "F16", "attn": "F16", "ffn": "F16", "experts": "Q8_0"},
+            prompt_lengths=(30, 100),
+            tokenize_text="The Model's layer WAS rotated 12345 times!\n\nIt's the position/token.",
+        ),
     )
 }
 
@@ -466,6 +512,7 @@ def _weights(case: Case, rng: np.random.Generator) -> dict[str, tuple[str, np.nd
     fused = c.arch == "phi3"  # Phi3MiniModel keeps qkv_proj and gate_up_proj whole
     post_norms = c.arch in ("gemma2", "olmo2")
     pre_norms = c.arch != "olmo2"
+    oss = c.arch == "gpt-oss"
     for i in range(c.n_layers):
         p = f"blk.{i}."
         if pre_norms:
@@ -479,11 +526,14 @@ def _weights(case: Case, rng: np.random.Generator) -> dict[str, tuple[str, np.nd
             tensors[p + "attn_q.weight"] = (attn, q)
             tensors[p + "attn_k.weight"] = (attn, k)
             tensors[p + "attn_v.weight"] = (attn, v)
-        if c.arch == "qwen2moe":  # Qwen2's q/k/v biases
+        if c.arch in ("qwen2moe", "gpt-oss"):  # q/k/v biases
             for name, n in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
                 bias = (rng.standard_normal(n) * 0.2).astype(np.float32)
                 tensors[p + f"attn_{name}.bias"] = ("F32", bias)
         tensors[p + "attn_output.weight"] = (attn, matrix(c.dim, q_dim, 1.0))
+        if oss:  # the output bias, and a sink logit per head of about the scores' size
+            tensors[p + "attn_output.bias"] = ("F32", norm(c.dim, 0.2, 0.0))
+            tensors[p + "attn_sinks.weight"] = ("F32", norm(c.n_heads, 1.0, 1.0))
         if c.arch == "olmo2":  # q and k normalized across heads
             tensors[p + "attn_q_norm.weight"] = ("F32", norm(q_dim, 0.2, c.qk_norm_gain))
             tensors[p + "attn_k_norm.weight"] = ("F32", norm(kv_dim, 0.2, c.qk_norm_gain))
@@ -493,8 +543,11 @@ def _weights(case: Case, rng: np.random.Generator) -> dict[str, tuple[str, np.nd
         if c.arch in ("qwen3", "qwen3moe"):
             tensors[p + "attn_q_norm.weight"] = ("F32", norm(c.head_dim, 0.2, c.qk_norm_gain))
             tensors[p + "attn_k_norm.weight"] = ("F32", norm(c.head_dim, 0.2, c.qk_norm_gain))
-        if pre_norms:
-            tensors[p + "ffn_norm.weight"] = ("F32", norm(c.dim))
+        if pre_norms:  # gpt-oss's FFN norm is post_attention_norm (llama.cpp's attn_post_norm)
+            tensors[p + ("post_attention_norm" if oss else "ffn_norm") + ".weight"] = (
+                "F32",
+                norm(c.dim),
+            )
         if c.moe is not None:
             tensors.update(_moe_weights(c, p, matrix))
             continue
@@ -518,13 +571,22 @@ def _moe_weights(c: Case, p: str, matrix) -> dict[str, tuple[str, np.ndarray]]:
     n_experts, _, n_ff, n_shared = c.moe
     kind = c.types.get("experts", c.types["ffn"])
     tensors = {p + "ffn_gate_inp.weight": ("F32", matrix(n_experts, c.dim, c.router_gain))}
+    biased = c.arch == "gpt-oss"  # GptOssModel: biases on the router and every expert matrix
+    if biased:
+        router_bias = matrix(1, n_experts, c.router_gain * 0.5)[0]
+        tensors[p + "ffn_gate_inp.bias"] = ("F32", router_bias)
     for name, (n_out, n_in) in (
         ("gate", (n_ff, c.dim)),
         ("up", (n_ff, c.dim)),
         ("down", (c.dim, n_ff)),
     ):
-        stacked = np.stack([matrix(n_out, n_in, 1.0) for _ in range(n_experts)])
+        # gpt-oss's gate runs up to its clamp (7): gates of a few units
+        gain = 3.0 if biased and name == "gate" else 1.0
+        stacked = np.stack([matrix(n_out, n_in, gain) for _ in range(n_experts)])
         tensors[p + f"ffn_{name}_exps.weight"] = (kind, stacked)
+        if biased:
+            bias = (matrix(n_experts, n_out, 1.0) * 0.3 * math.sqrt(n_out)).astype(np.float32)
+            tensors[p + f"ffn_{name}_exps.bias"] = ("F32", bias)
     if n_shared:
         tensors[p + "ffn_gate_inp_shexp.weight"] = ("F32", matrix(1, c.dim, 1.0))
         ffn = c.types["ffn"]
@@ -682,6 +744,7 @@ def metadata_summary(case: Case) -> dict[str, Any]:
         "softcaps": case.softcaps,
         "multipliers": case.multipliers,
         "moe": case.moe,
+        "tokenize_text": case.tokenize_text,
     }
     summary.update({k: v for k, v in extra.items() if v})
     return summary

@@ -314,6 +314,19 @@ def without_post_attention_norms(config):
     return config, drop
 
 
+def without(attribute: str, on: str = "layer"):
+    """A variant that drops a per-layer (or per-MoE) tensor the file has."""
+
+    def variant(config):
+        def drop(transformer, model):
+            for layer in transformer.layers:
+                setattr(layer if on == "layer" else layer.moe, attribute, None)
+
+        return config, drop
+
+    return variant
+
+
 def without_shared_experts(config):
     def drop(transformer, model):
         for layer in transformer.layers:
@@ -356,6 +369,17 @@ FEATURE_VARIANTS = {
     "qwen2moe": {
         "weights renormalized": replaced(expert_weights_norm=True),
         "no shared expert": without_shared_experts,
+    },
+    "gpt-oss": {
+        "no attention sinks": without("sinks"),
+        "no output bias": without("bo"),
+        "no router bias": without("router_bias", on="moe"),
+        "no expert biases": without("expert_biases", on="moe"),
+        "softmax before the choice": replaced(expert_gating="softmax"),
+        "plain SwiGLU": replaced(activation="silu"),
+        "no sliding window": replaced(layer_windows=(0, 0)),
+        "window on the other layer": replaced(layer_windows=(0, 16)),
+        "local layers unscaled": replaced(scale_local_rope=False),
     },
 }
 

@@ -247,6 +247,10 @@ def test_cuda_attention_gqa_causal_windows(window, start_pos, n_tokens, softcap)
     dq, dk, dv = to_device(q), to_device(k_cache), to_device(v_cache)
     b.attention(dq, dk, dv, start_pos, window, 0.35, softcap, out)
     np.testing.assert_allclose(b.to_host(out), expected, rtol=1e-5, atol=1e-6)
+    sinks = rng.standard_normal(n_heads).astype(np.float32)  # gpt-oss's sink logits
+    cpu.attention(q.copy(), *halves, start_pos, window, 0.35, softcap, expected, sinks)
+    b.attention(dq, dk, dv, start_pos, window, 0.35, softcap, out, to_device(sinks))
+    np.testing.assert_allclose(b.to_host(out), expected, rtol=1e-5, atol=1e-6)
 
 
 @needs_cuda

@@ -98,7 +98,7 @@ def test_rope_tables_scaling_and_factors(kind):
         assert np.abs(cos - plain_cos).max() > 0.1
 
 
-def _attention_ref(q, k, v, start_pos, window, scale, softcap=0.0):
+def _attention_ref(q, k, v, start_pos, window, scale, softcap=0.0, sinks=None):
     n_tokens, n_heads, head_dim = q.shape
     group = n_heads // k.shape[1]
     out = np.zeros_like(q, dtype=np.float64)
@@ -110,9 +110,10 @@ def _attention_ref(q, k, v, start_pos, window, scale, softcap=0.0):
             s = keys @ q[t, h] * scale
             if softcap:
                 s = softcap * np.tanh(s / softcap)
-            p = np.exp(s - s.max())
-            p /= p.sum()
-            out[t, h] = p @ v[first : pos + 1, h // group]
+            best = s.max() if sinks is None else max(s.max(), sinks[h])
+            p = np.exp(s - best)
+            sink = 0.0 if sinks is None else np.exp(sinks[h] - best)
+            out[t, h] = p @ v[first : pos + 1, h // group] / (p.sum() + sink)
     return out
 
 
@@ -136,13 +137,21 @@ def test_attention_gqa_causal_window(window, softcap, heads_per_job, half_bits):
     else:
         k_cache, v_cache = k.astype(np.float32), v.astype(np.float32)
     cap = np.float32(softcap)
-    args = (start, window, np.float32(scale), cap, False, heads_per_job, scores, row, out)
+    no_sinks = np.zeros(0, np.float32)
+    args = (start, window, np.float32(scale), cap, no_sinks, False, heads_per_job, scores, row, out)
     ops.attention(q, k_cache, v_cache, *args)
     k32, v32 = k.astype(np.float32), v.astype(np.float32)
     expected = _attention_ref(q, k32, v32, start, window, scale, softcap)
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
     if softcap:  # and the cap changed the result
         assert np.abs(expected - _attention_ref(q, k32, v32, start, window, scale)).max() > 0.05
+    # gpt-oss's sinks: one logit per head in each softmax (here around the scores' size)
+    sinks = (4 + rng.standard_normal(n_heads) * 2).astype(np.float32)
+    args = (start, window, np.float32(scale), cap, sinks, False, heads_per_job, scores, row, out)
+    ops.attention(q, k_cache, v_cache, *args)
+    with_sinks = _attention_ref(q, k32, v32, start, window, scale, softcap, sinks)
+    np.testing.assert_allclose(out, with_sinks, rtol=1e-4, atol=1e-5)
+    assert np.abs(with_sinks - expected).max() > 0.05
 
 
 def test_heads_per_job_keeps_every_thread_busy():
@@ -220,3 +229,13 @@ def test_f16_bits_match_numpy():
     ).astype(np.float32)
     ours = np.array([f16_bits(v) for v in values], np.uint32)
     np.testing.assert_array_equal(ours, values.astype(np.float16).view(np.uint16))
+
+
+def test_swiglu_oai_clamps_as_ggml():
+    gate = np.array([[-9.0, -1.0, 0.0, 0.5, 3.0, 7.0, 12.0]], np.float32)
+    up = np.array([[-9.0, 2.0, 1.0, -0.5, 8.0, 0.0, -12.0]], np.float32)
+    x = np.minimum(gate.astype(np.float64), 7.0)
+    y = np.clip(up.astype(np.float64), -7.0, 7.0)
+    expected = x / (1.0 + np.exp(-1.702 * x)) * (y + 1.0)
+    ops.swiglu_oai(gate, up)
+    np.testing.assert_allclose(gate, expected, rtol=1e-6, atol=1e-6)

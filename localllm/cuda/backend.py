@@ -67,6 +67,7 @@ class CUDABackend:
         self.rows_per_block = kernels.MAX_BLOCK // lanes  # 4 rows of a warp each on a GPU
         self.threads = threads
         self._scores = None  # attention scratch, float32[jobs, keys], grown on demand
+        self._no_sinks = cuda.device_array(0, dtype=np.float32)
         # A decode step launches small grids by nature; numba-cuda would warn at each of them.
         cuda_config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
 
@@ -187,7 +188,16 @@ class CUDABackend:
         return cuda.to_device(cos), cuda.to_device(sin)
 
     def attention(
-        self, q, k_cache, v_cache, start_pos: int, window: int, scale: float, softcap: float, out
+        self,
+        q,
+        k_cache,
+        v_cache,
+        start_pos: int,
+        window: int,
+        scale: float,
+        softcap: float,
+        out,
+        sinks=None,
     ):
         """Causal GQA attention over the cache; see kernels.attention."""
         n_tokens, n_heads, _ = q.shape
@@ -205,6 +215,7 @@ class CUDABackend:
             window,
             np.float32(scale),
             np.float32(softcap),
+            self._no_sinks if sinks is None else sinks,
             self._scores,
             out,
         )
@@ -224,6 +235,9 @@ class CUDABackend:
 
     def gelu_mul(self, gate, up) -> None:
         self._elementwise(kernels.gelu_mul, gate, up)
+
+    def swiglu_oai_mul(self, gate, up) -> None:
+        self._elementwise(kernels.swiglu_oai_mul, gate, up)
 
     def scale(self, x, factor: float) -> None:
         self._elementwise(kernels.scale, x, np.float32(factor))

@@ -446,13 +446,14 @@ def rope(x, cos, sin, neox):
 
 
 @cuda.jit(cache=True)
-def attention(q, k_cache, v_cache, start_pos, window, scale, softcap, scores, out):
+def attention(q, k_cache, v_cache, start_pos, window, scale, softcap, sinks, scores, out):
     """Causal attention with grouped K/V heads and an optional sliding window, softmax inside.
 
     q, out: float32[n_tokens, n_heads, head_dim] for positions start_pos + t;
     k_cache, v_cache: float32[n_ctx, n_kv_heads, head_dim], filled up to start_pos + n_tokens;
     window > 0: key j is seen from position i only when i - j < window.
     softcap > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2).
+    sinks: float32[n_heads] sink logits (gpt-oss), or float32[0]: one more softmax term each.
     scores: float32[>= n_tokens * n_heads, >= start_pos + n_tokens] scratch, one row per job.
 
     Threads: one block per (head, token) (grid x, y). Its threads split the keys for the scores
@@ -482,6 +483,8 @@ def attention(q, k_cache, v_cache, start_pos, window, scale, softcap, scores, ou
     partial[tid] = best
     _tree_reduce(partial, 1, 0, 0, tid, n_threads, True)
     best = partial[0]
+    if sinks.shape[0] > 0:
+        best = max(best, sinks[h])
     cuda.syncthreads()  # all have read the max before partial is reused
 
     total = np.float32(0.0)
@@ -491,7 +494,10 @@ def attention(q, k_cache, v_cache, start_pos, window, scale, softcap, scores, ou
         total += e
     partial[tid] = total
     _tree_reduce(partial, 1, 0, 0, tid, n_threads, False)  # its syncs also publish the scores
-    inv = np.float32(1.0) / partial[0]
+    total = partial[0]
+    if sinks.shape[0] > 0:
+        total += np.float32(math.exp(sinks[h] - best))
+    inv = np.float32(1.0) / total
 
     for d in range(tid, head_dim, n_threads):
         acc = np.float32(0.0)
@@ -558,6 +564,19 @@ def silu_mul(gate, up):
         t, j = i // n, i % n
         g = gate[t, j]
         gate[t, j] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * up[t, j]
+
+
+@cuda.jit(cache=True)
+def swiglu_oai_mul(gate, up):
+    """gate = min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(up, -7, 7) + 1) (gpt-oss)."""
+    i = cuda.grid(1)
+    n = gate.shape[1]
+    if i < gate.shape[0] * n:
+        t, j = i // n, i % n
+        x = min(gate[t, j], np.float32(7.0))
+        y = min(max(up[t, j], np.float32(-7.0)), np.float32(7.0))
+        sig = np.float32(1.0) / (np.float32(1.0) + np.float32(math.exp(np.float32(-1.702) * x)))
+        gate[t, j] = x * sig * (y + np.float32(1.0))
 
 
 @cuda.jit(cache=True)

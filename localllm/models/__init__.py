@@ -13,6 +13,7 @@ from localllm.errors import LocalLLMError
 from localllm.gguf import GGUFFile, read_gguf
 from localllm.models.config import ModelConfig
 from localllm.models.gemma import gemma2_config, gemma3_config
+from localllm.models.gpt_oss import gpt_oss_config
 from localllm.models.llama import (
     granite_config,
     llama_config,
@@ -42,6 +43,7 @@ ARCHITECTURES: dict[str, Callable[[Mapping[str, Any], int], ModelConfig]] = {
     "granite": granite_config,
     "olmo2": olmo2_config,
     "smollm3": smollm3_config,
+    "gpt-oss": gpt_oss_config,
 }
 
 DEFAULT_CTX = 4096

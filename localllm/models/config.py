@@ -34,7 +34,11 @@ class ModelConfig:
     rope_dim: int
     rope_neox: bool  # rotate (i, i + d/2) instead of adjacent pairs
     rope_scaling: RopeScaling = RopeScaling()  # linear / YaRN context extension (global layers)
-    activation: str = "silu"  # "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation)
+    # whether sliding-window layers are scaled too (gpt-oss); gemma3's local layers run unscaled
+    scale_local_rope: bool = False
+    # "silu" (SwiGLU), "gelu" (GeGLU, tanh approximation) or "swiglu_oai" (gpt-oss's clamped
+    # SwiGLU, ops.swiglu_oai)
+    activation: str = "silu"
     embed_scale: float = 1.0  # token embeddings are multiplied by this (Gemma: sqrt(dim))
     attn_scale: float = 0.0  # 0 means 1 / sqrt(head_dim)
     # q is multiplied by the attention scale before q.k, rather than the scores after (llama.cpp
@@ -52,6 +56,10 @@ class ModelConfig:
     expert_ffn_dim: int = 0
     expert_weights_norm: bool = False
     expert_weights_scale: float = 0.0  # 0: not scaled
+    # "softmax": the router's probabilities weight the chosen experts; "softmax_weight"
+    # (gpt-oss): the experts are chosen by their logits, and a softmax over the chosen ones'
+    # logits weights them (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT)
+    expert_gating: str = "softmax"
     # rope.scaling.original_context_length (default: the training context): LongRoPE uses its
     # long factors when the context is larger
     n_ctx_orig: int = 0
@@ -59,6 +67,9 @@ class ModelConfig:
     # (qwen3, gemma3), "all" the whole q and k of a token across its heads (olmo2)
     qk_norm: str = "none"
     pre_norm: bool = True  # attn_norm / ffn_norm before each sub-block (olmo2 has none)
+    # the tensor of the norm before the FFN: gpt-oss names it post_attention_norm (llama.cpp's
+    # attn_post_norm, applied to the FFN's input), where gemma's is an attention output norm
+    ffn_norm_tensor: str = "ffn_norm"
     residual_scale: float = 1.0  # sub-block outputs are multiplied by it before the add (granite)
     logit_scale: float = 1.0  # logits are divided by it (granite)
     # Per layer: attention window (0 = global) and RoPE base; empty means global / rope_theta.

@@ -45,6 +45,8 @@ class Layer:
     k_norm: np.ndarray | None = None  # float32[head_dim], or [n_kv_heads * head_dim]
     post_attn_norm: np.ndarray | None = None  # float32[dim]
     post_ffn_norm: np.ndarray | None = None
+    bo: np.ndarray | None = None  # float32[dim]: attn_output.bias (gpt-oss)
+    sinks: np.ndarray | None = None  # float32[n_heads]: attn_sinks, a logit per head (gpt-oss)
 
 
 @dataclass
@@ -55,6 +57,9 @@ class MoE:
     router: object  # ffn_gate_inp: [n_experts, dim]
     experts: list[tuple]  # per expert: (w_gate [expert_ffn, dim], w_up, w_down [dim, expert_ffn])
     shared_gate: object | None = None  # ffn_gate_inp_shexp as a [1, dim] weight (qwen2moe)
+    router_bias: np.ndarray | None = None  # float32[n_experts] (gpt-oss)
+    # per expert: (b_gate [expert_ffn], b_up, b_down [dim]), rows of ffn_*_exps.bias (gpt-oss)
+    expert_biases: list[tuple] | None = None
 
 
 class Scratch:
@@ -185,13 +190,17 @@ class Transformer:
         else:
             w_gate, w_up = self._gate_up(p)
             w_down = b.weight(self._tensor(p + "ffn_down.weight"))
+        ffn_norm = p + c.ffn_norm_tensor + ".weight"
+        post_attn_norm = None
+        if c.ffn_norm_tensor != "post_attention_norm":
+            post_attn_norm = self._optional_vector(p + "post_attention_norm.weight")
         return Layer(
             attn_norm=b.vector(self._tensor(p + "attn_norm.weight")) if pre_norm else None,
             wq=wq,
             wk=wk,
             wv=wv,
             wo=b.weight(self._tensor(p + "attn_output.weight")),
-            ffn_norm=b.vector(self._tensor(p + "ffn_norm.weight")) if pre_norm else None,
+            ffn_norm=b.vector(self._tensor(ffn_norm)) if pre_norm else None,
             w_gate=w_gate,
             w_up=w_up,
             w_down=w_down,
@@ -201,8 +210,10 @@ class Transformer:
             bv=self._optional_vector(p + "attn_v.bias"),
             q_norm=b.vector(self._tensor(p + "attn_q_norm.weight")) if qk_norm else None,
             k_norm=b.vector(self._tensor(p + "attn_k_norm.weight")) if qk_norm else None,
-            post_attn_norm=self._optional_vector(p + "post_attention_norm.weight"),
+            post_attn_norm=post_attn_norm,
             post_ffn_norm=self._optional_vector(p + "post_ffw_norm.weight"),
+            bo=self._optional_vector(p + "attn_output.bias"),
+            sinks=self._optional_vector(p + "attn_sinks.weight"),
         )
 
     def _moe(self, p: str) -> MoE:
@@ -244,7 +255,21 @@ class Transformer:
                     shared_gate, shape=(1, c.dim), data=shared_gate.data.reshape(1, -1)
                 )
             )
-        return MoE(router, experts, shared_gate)
+        router_bias = self._optional_vector(p + "ffn_gate_inp.bias")
+        expert_biases = None
+        if p + "ffn_gate_exps.bias" in self._tensors:  # gpt-oss: a bias row per expert
+            biases = []
+            widths = {"gate": c.expert_ffn_dim, "up": c.expert_ffn_dim, "down": c.dim}
+            for kind, width in widths.items():
+                tensor = self._tensor(p + f"ffn_{kind}_exps.bias")
+                if int(np.prod(tensor.shape)) != c.n_experts * width:
+                    raise LocalLLMError(
+                        f"tensor {tensor.name} has shape {tensor.shape}, not "
+                        f"{(c.n_experts, width)} as the metadata says; the file is inconsistent"
+                    )
+                biases.append(b.vector(tensor).reshape(c.n_experts, width))
+            expert_biases = [tuple(rows[e] for rows in biases) for e in range(c.n_experts)]
+        return MoE(router, experts, shared_gate, router_bias, expert_biases)
 
     def _check_shapes(self) -> None:
         """Fail at load, with the tensor's name, rather than inside a kernel."""
@@ -380,9 +405,9 @@ class Transformer:
                 interrupt()
             window = c.window(i)
             key = (c.theta(i), window == 0)
-            if key not in tables:  # sliding-window layers run unscaled (gemma3)
+            if key not in tables:  # sliding-window layers run unscaled (gemma3), or not (gpt-oss)
                 scaling = c.rope_scaling
-                if window:
+                if window and not c.scale_local_rope:
                     scaling = dataclasses.replace(scaling, freq_scale=1.0)
                 tables[key] = b.rope_tables(
                     positions, c.rope_dim, c.theta(i), scaling, self.rope_freqs
@@ -421,8 +446,12 @@ class Transformer:
             b.scale(q, attn_scale)
             attn_scale = 1.0
         attn = s.attn[:n].reshape(n, c.n_heads, c.head_dim)
-        b.attention(q3, k_cache, v_cache, start_pos, window, attn_scale, c.attn_softcap, attn)
+        b.attention(
+            q3, k_cache, v_cache, start_pos, window, attn_scale, c.attn_softcap, attn, layer.sinks
+        )
         o = b.linear(s.attn[:n], layer.wo, s.o[:n])
+        if layer.bo is not None:
+            b.add_bias(o, layer.bo)
         if layer.post_attn_norm is not None:
             b.rmsnorm(o, layer.post_attn_norm, c.rms_eps, o)
         if c.residual_scale != 1.0:
@@ -442,14 +471,21 @@ class Transformer:
 
     def _dense_ffn(self, layer: Layer, h, out):
         """out = down(act(gate(h)) * up(h)): the FFN, or a MoE's shared expert."""
-        b, c, s = self.backend, self.config, self.scratch
+        b, s = self.backend, self.scratch
         n = h.shape[0]
         gate, up = b.linear_many(h, (layer.w_gate, layer.w_up), (s.gate[:n], s.up[:n]))
-        if c.activation == "gelu":
-            b.gelu_mul(gate, up)
-        else:
-            b.silu_mul(gate, up)
+        self._activate(gate, up)
         return b.linear(gate, layer.w_down, out)
+
+    def _activate(self, gate, up) -> None:
+        """gate = act(gate) * up, the config's gated activation, in place."""
+        kind = self.config.activation
+        if kind == "gelu":
+            self.backend.gelu_mul(gate, up)
+        elif kind == "swiglu_oai":
+            self.backend.swiglu_oai_mul(gate, up)
+        else:
+            self.backend.silu_mul(gate, up)
 
     def _moe_ffn(self, layer: Layer, h):
         """The mixture of experts of llama.cpp's build_moe_ffn: router logits -> softmax -> the
@@ -466,10 +502,16 @@ class Transformer:
         b, c, s = self.backend, self.config, self.scratch
         moe, k = layer.moe, c.n_experts_used
         n = h.shape[0]
-        probs = b.to_host(b.linear(h, moe.router, s.router[:n]))  # float32[n, n_experts]
-        ops.softmax_rows(probs)
+        logits = b.linear(h, moe.router, s.router[:n])
+        if moe.router_bias is not None:
+            b.add_bias(logits, moe.router_bias)
+        probs = b.to_host(logits)  # float32[n, n_experts]
+        if c.expert_gating == "softmax":
+            ops.softmax_rows(probs)
         chosen = np.argsort(-probs, axis=1, kind="stable")[:, :k]  # int64[n, k]
         weights = np.take_along_axis(probs, chosen, axis=1)  # float32[n, k]
+        if c.expert_gating == "softmax_weight":  # a softmax over the chosen experts' logits
+            ops.softmax_rows(weights)
         if c.expert_weights_norm:
             total = weights.sum(axis=1, dtype=np.float64, keepdims=True).astype(np.float32)
             weights = weights / total
@@ -482,8 +524,14 @@ class Transformer:
             w_gate, w_up, w_down = moe.experts[expert]
             x = b.gather_rows(h, tokens, s.expert_in[:m])
             gate, up = b.linear_many(x, (w_gate, w_up), (s.expert_gate[:m], s.expert_up[:m]))
-            b.silu_mul(gate, up)
+            if moe.expert_biases is not None:
+                b_gate, b_up, b_down = moe.expert_biases[expert]
+                b.add_bias(gate, b_gate)
+                b.add_bias(up, b_up)
+            self._activate(gate, up)
             y = b.linear(gate, w_down, s.expert_out[:m])
+            if moe.expert_biases is not None:
+                b.add_bias(y, b_down)
             b.scatter_rows(y, ranks * n + tokens, weights[tokens, ranks], rows)
         o = rows[:n]
         for rank in range(1, k):
