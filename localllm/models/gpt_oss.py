@@ -4,10 +4,9 @@ Pre-RMSNorm GQA attention with q/k/v/output biases and a learned sink logit per 
 (`attn_sinks`: one more term in each softmax, weighting no value), NeoX RoPE with YaRN
 (rope.scaling.*, on every layer), and sliding-window layers (`attention.sliding_window`, 128)
 alternating with global ones: the even layers are local, as llama.cpp's set_swa_pattern(2).
-The FFN is a
-mixture of experts whose norm is the file's `post_attention_norm`: a router with a bias picks
-`expert_used_count` experts by their logits and weights them by a softmax over those logits
-only; each expert (with biases on all three matrices) runs the clamped SwiGLU of
+The FFN is a mixture of experts whose norm is the file's `post_attention_norm`: a router with
+a bias picks `expert_used_count` experts by their logits and weights them by a softmax over
+those logits only; each expert (with biases on all three matrices) runs the clamped SwiGLU of
 ops.swiglu_oai. The experts are MXFP4 in the files OpenAI and the converter publish.
 """
 
