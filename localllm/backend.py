@@ -17,8 +17,8 @@ import numpy as np
 from localllm import ops, quants
 from localllm.errors import LocalLLMError
 from localllm.gguf import TensorInfo
-from localllm.quants import intdot
-from localllm.quants.activations import VEC_DOT_TYPES, round_activations
+from localllm.quants import QuantType, intdot
+from localllm.quants.activations import Q8_BLOCK_SIZE, round_activations
 from localllm.threads import ThreadTuner, physical_cores
 
 Array = Any  # float32 arrays where the backend computes: numpy on the CPU, device arrays on CUDA
@@ -243,12 +243,12 @@ class CPUBackend:
         (`_integer_matmuls`); the other weights the float kernels on rounded activations."""
         pairs = list(zip(weights, outs, strict=True))
         if self.integer_kernels:
-            integer = [(w, out) for w, out in pairs if w.qtype.ggml_type in intdot.MATVEC]
+            integer = [(w, out) for w, out in pairs if w.qtype.int_matvec is not None]
             self._integer_matmuls(x, integer)
-            pairs = [(w, out) for w, out in pairs if w.qtype.ggml_type not in intdot.MATVEC]
+            pairs = [(w, out) for w, out in pairs if w.qtype.int_matvec is None]
         rounded = {}
         for w, out in pairs:
-            kind = VEC_DOT_TYPES[w.qtype.ggml_type] if self.llama_cpp_rounding else "none"
+            kind = w.qtype.vec_dot_type if self.llama_cpp_rounding else "none"
             xr = rounded.get(kind)
             if xr is None:
                 buffer = self._rounded.get((kind, x.shape))
@@ -264,17 +264,17 @@ class CPUBackend:
     def _integer_matmuls(self, x: np.ndarray, pairs) -> None:
         """out = x @ w.T for (w, out) pairs, x: float32[n_tokens, n_cols]: x quantized to int8
         once per super-block size, one kernel call for all the weights of a type."""
-        by_type: dict[int, tuple[list, list]] = {}
+        by_type: dict[QuantType, tuple[list, list]] = {}
         for w, out in pairs:
             if not out.flags.c_contiguous:  # the kernels address rows by the row length
                 raise ValueError(f"the output for {w.name} must be C-contiguous")
-            raws, targets = by_type.setdefault(w.qtype.ggml_type, ([], []))
+            raws, targets = by_type.setdefault(w.qtype, ([], []))
             raws.append(w.raw)
             targets.append(out)
         quantized = {}
         n_tokens, n_cols = x.shape
-        for ggml_type, (raws, targets) in by_type.items():
-            super_block = intdot.SUPER_BLOCK[ggml_type]
+        for qt, (raws, targets) in by_type.items():
+            super_block = Q8_BLOCK_SIZE[qt.vec_dot_type]
             xq = quantized.get(super_block)
             if xq is None:
                 key = (super_block, n_tokens, n_cols)
@@ -286,7 +286,7 @@ class CPUBackend:
                 else:
                     intdot.quantize_q8_tokens(x, super_block, *xq)
                 quantized[super_block] = xq
-            intdot.MATVEC[ggml_type](tuple(raws), *xq, tuple(targets))
+            qt.int_matvec(tuple(raws), *xq, tuple(targets))
 
     def embed(self, w: QuantWeight, token_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out = rows token_ids of the embedding matrix: float32[n_tokens, n_cols].

@@ -13,18 +13,18 @@ import numpy as np
 import pytest
 from random_blocks import ggml_id, random_weights, read_only
 
-from localllm.quants import dequantize, get_quant_type, intdot
-from localllm.quants.activations import VEC_DOT_TYPES, round_activations
+from localllm.quants import QUANT_TYPES, dequantize, get_quant_type, intdot
+from localllm.quants.activations import Q8_BLOCK_SIZE, round_activations
 
 pytestmark = pytest.mark.skipif(not intdot.AVAILABLE, reason="no integer kernels for this CPU")
 
-TYPES = {get_quant_type(t).name: t for t in intdot.MATVEC}
+TYPES = {qt.name: t for t, qt in QUANT_TYPES.items() if qt.int_matvec is not None}
 ASYMMETRIC_LEGACY = {"Q4_1", "Q5_1"}  # w = d * q + m, with m an f16 at byte 2 of each block
 
 
 def quantized(x: np.ndarray, ggml_type: int) -> tuple:
     xq = intdot.activation_buffers(*x.shape)
-    intdot.quantize_q8(x, intdot.SUPER_BLOCK[ggml_type], *xq)
+    intdot.quantize_q8(x, Q8_BLOCK_SIZE[get_quant_type(ggml_type).vec_dot_type], *xq)
     return xq
 
 
@@ -73,7 +73,7 @@ def test_matvec_matches_reference(name, n_rows):
     xq = quantized(x, ggml_type)
     expected = reference(raw, ggml_type, x, xq)
     out = np.full((1, n_rows), np.nan, np.float32)
-    intdot.MATVEC[ggml_type]((raw,), *xq, (out,))
+    get_quant_type(ggml_type).int_matvec((raw,), *xq, (out,))
     np.testing.assert_allclose(out, expected, rtol=0, atol=2e-6 * np.abs(expected).max())
 
 
@@ -88,9 +88,13 @@ def test_integer_and_float_kernels_agree(name):
     x = rng.standard_normal((1, 4 * 256)).astype(np.float32)
     xq = quantized(x, ggml_type)
     ours = np.empty(64, np.float32)
-    intdot.MATVEC[ggml_type]((raw,), *xq, (ours[None],))
+    qt.int_matvec((raw,), *xq, (ours[None],))
     theirs = np.empty(64, np.float32)
-    qt.matvec(raw, round_activations(x, VEC_DOT_TYPES[ggml_type], np.empty_like(x))[0], theirs)
+    qt.matvec(
+        raw,
+        round_activations(x, get_quant_type(ggml_type).vec_dot_type, np.empty_like(x))[0],
+        theirs,
+    )
     # equal up to float summation order, and the f16 block sums of Q8_1
     tol = 2e-3 if name in ASYMMETRIC_LEGACY else 2e-5
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=tol * np.abs(theirs).max())
@@ -105,10 +109,10 @@ def test_matvec_of_several_weights(name):
     raws = tuple(read_only(random_weights(name, n, n_cols, rng)) for n in (5, 37, 4))
     xq = quantized(rng.standard_normal((1, n_cols)).astype(np.float32), ggml_type)
     together = tuple(np.full((1, raw.shape[0]), np.nan, np.float32) for raw in raws)
-    intdot.MATVEC[ggml_type](raws, *xq, together)
+    get_quant_type(ggml_type).int_matvec(raws, *xq, together)
     for raw, out in zip(raws, together):
         alone = np.full((1, raw.shape[0]), np.nan, np.float32)
-        intdot.MATVEC[ggml_type]((raw,), *xq, (alone,))
+        get_quant_type(ggml_type).int_matvec((raw,), *xq, (alone,))
         np.testing.assert_array_equal(out, alone)
 
 
@@ -227,10 +231,10 @@ def test_a_tile_of_tokens_gives_each_token_its_own_result(name):
     raw = read_only(random_weights(name, n_rows, n_cols, rng))
     x = rng.standard_normal((n_tokens, n_cols)).astype(np.float32)
     xq = intdot.activation_buffers(n_tokens, n_cols)
-    intdot.quantize_q8_tokens(x, intdot.SUPER_BLOCK[ggml_type], *xq)
+    intdot.quantize_q8_tokens(x, Q8_BLOCK_SIZE[get_quant_type(ggml_type).vec_dot_type], *xq)
     batch = np.zeros((n_tokens, n_rows), np.float32)
-    intdot.MATVEC[ggml_type]((raw,), *xq, (batch,))
+    get_quant_type(ggml_type).int_matvec((raw,), *xq, (batch,))
     for t in range(n_tokens):
         alone = np.zeros((1, n_rows), np.float32)
-        intdot.MATVEC[ggml_type]((raw,), *(a[t : t + 1] for a in xq), (alone,))
+        get_quant_type(ggml_type).int_matvec((raw,), *(a[t : t + 1] for a in xq), (alone,))
         np.testing.assert_array_equal(batch[t], alone[0])

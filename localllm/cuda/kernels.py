@@ -24,10 +24,13 @@ import math
 import numpy as np
 from numba import cuda, types
 
+from localllm.quants import QUANT_TYPES
+
 # GGML type ids (gguf.constants.GGMLQuantizationType)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 10, 11, 12, 13, 14, 30
-SUPPORTED_TYPES = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+# the types dequantize_chunk has: those whose record (localllm.quants) says cuda=True
+SUPPORTED_TYPES = tuple(t for t, qt in QUANT_TYPES.items() if qt.cuda)
 
 CHUNK = 32  # weights per chunk: one legacy block, one K-quant sub-block (or two of 16)
 TOKEN_TILE = 8  # tokens that share one dequantized chunk in matmul

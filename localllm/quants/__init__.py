@@ -13,58 +13,84 @@ arrays: read-only uint8 weights (what a read-only memmap gives), float32 activat
 other layouts work but cost another compilation. The module-level `dequantize`, `matvec` and
 `matmul` wrappers check shapes, convert arguments to that form and allocate `out` if needed.
 
-Numba caches each file's kernels separately and only notices changes to that file: after editing
-float.py (whose helpers are inlined everywhere), delete this package's __pycache__.
+Numba's on-disk cache of the factory-made kernels is keyed on the whole package's source
+(kernels.SOURCE_KEY), so an edit anywhere here recompiles them. The hand-written matvec kernels
+are cached per file as Numba does it: after editing float.py (whose helpers are inlined
+everywhere), delete this package's __pycache__.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from gguf.constants import GGMLQuantizationType
 
 from ..errors import LocalLLMError
 from . import float as fp
-from . import kquants, legacy
+from . import intdot, kquants, legacy
+from .activations import BF16, F16, NONE, Q8_0, Q8_1, Q8_K
+from .kernels import dequantize_kernel, matmul_kernel
 
 
 @dataclass(frozen=True)
 class QuantType:
-    """A GGML weight type and its kernels (all Numba-compiled, taking raw uint8 rows)."""
+    """One GGML weight type: its block layout and kernels (all Numba, taking raw uint8 rows).
+
+    A record names what is written per type (the row dequantizer, the float matvec, the
+    integer dot's block unpacker); the factories in kernels.py and intdot.py make the rest."""
 
     ggml_type: int  # GGML type id
     name: str  # "Q4_K"
     block_size: int  # weights per block
     type_size: int  # bytes per block
-    dequantize: Callable  # (raw: uint8[n_rows, row_bytes]) -> float32[n_rows, n_cols]
+    vec_dot_type: str  # the activation type ggml's CPU dot product uses (activations.py)
+    dequantize_row: Callable  # (row: uint8[row_bytes], out: float32[n_cols]), Numba-only
     matvec: Callable  # (w: uint8[n_rows, row_bytes], x: float32[n_cols], out: float32[n_rows])
-    matmul: Callable  # (w, x: float32[n_tokens, n_cols], out: float32[n_tokens, n_rows])
+    dot_unpacker: Callable | None = None  # intdot's block unpacker, None: float kernels only
+    cuda: bool = False  # cuda/kernels.dequantize_chunk has this type
+    # made from the fields above by the factories:
+    dequantize: Callable = field(init=False)  # (raw: uint8[n_rows, row_bytes]) -> float32[..]
+    matmul: Callable = field(init=False)  # (w, x: float32[n_tokens, n_cols], out: float32[..])
+    int_matvec: Callable | None = field(init=False)  # intdot: (ws, xq, xd, xs, xl, outs) or None
+
+    def __post_init__(self):
+        set_field = object.__setattr__.__get__(self)  # frozen: the factories' results, once
+        set_field("dequantize", dequantize_kernel(self))
+        set_field("matmul", matmul_kernel(self))
+        int_matvec = None
+        if self.dot_unpacker is not None:
+            int_matvec = intdot.matvec_kernel(self.ggml_type, self.name.lower())
+        set_field("int_matvec", int_matvec)
 
 
-def _kernels(module, name: str) -> tuple[Callable, Callable, Callable]:
+def _record(ggml_type, name, block_size, type_size, vec_dot_type, module, unpacker=None):
     suffix = name.lower()
-    return tuple(getattr(module, f"{kind}_{suffix}") for kind in ("dequantize", "matvec", "matmul"))
+    return QuantType(
+        ggml_type, name, block_size, type_size, vec_dot_type,
+        getattr(module, f"dequantize_row_{suffix}"), getattr(module, f"matvec_{suffix}"),
+        unpacker, cuda=True,
+    )  # fmt: skip
 
 
-# ggml type id, name, block size (weights), type size (bytes per block), module with its kernels
+# Adding a type: its row dequantizer and matvec (and intdot unpacker), and one line here.
 QUANT_TYPES: dict[int, QuantType] = {
-    ggml_type: QuantType(ggml_type, name, block_size, type_size, *_kernels(module, name))
-    for ggml_type, name, block_size, type_size, module in (
-        (0, "F32", 1, 4, fp),
-        (1, "F16", 1, 2, fp),
-        (30, "BF16", 1, 2, fp),
-        (2, "Q4_0", 32, 18, legacy),
-        (3, "Q4_1", 32, 20, legacy),
-        (6, "Q5_0", 32, 22, legacy),
-        (7, "Q5_1", 32, 24, legacy),
-        (8, "Q8_0", 32, 34, legacy),
-        (10, "Q2_K", 256, 84, kquants),
-        (11, "Q3_K", 256, 110, kquants),
-        (12, "Q4_K", 256, 144, kquants),
-        (13, "Q5_K", 256, 176, kquants),
-        (14, "Q6_K", 256, 210, kquants),
+    qt.ggml_type: qt
+    for qt in (
+        _record(0, "F32", 1, 4, NONE, fp),
+        _record(1, "F16", 1, 2, F16, fp),
+        _record(30, "BF16", 1, 2, BF16, fp),
+        _record(2, "Q4_0", 32, 18, Q8_0, legacy, intdot._q4_0),
+        _record(3, "Q4_1", 32, 20, Q8_1, legacy, intdot._q4_1),
+        _record(6, "Q5_0", 32, 22, Q8_0, legacy, intdot._q5_0),
+        _record(7, "Q5_1", 32, 24, Q8_1, legacy, intdot._q5_1),
+        _record(8, "Q8_0", 32, 34, Q8_0, legacy, intdot._q8_0),
+        _record(10, "Q2_K", 256, 84, Q8_K, kquants, intdot._q2_k),
+        _record(11, "Q3_K", 256, 110, Q8_K, kquants, intdot._q3_k),
+        _record(12, "Q4_K", 256, 144, Q8_K, kquants, intdot._q4_k),
+        _record(13, "Q5_K", 256, 176, Q8_K, kquants, intdot._q5_k),
+        _record(14, "Q6_K", 256, 210, Q8_K, kquants, intdot._q6_k),
     )
 }
 

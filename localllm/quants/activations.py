@@ -22,8 +22,10 @@ from numba.extending import intrinsic
 
 from localllm.quants.float import _bits_to_f32, f16_to_f32
 
-# vec_dot_type names
+# vec_dot_type names (each weight type's record names its own, see quants/__init__.py)
 NONE, F16, BF16, Q8_0, Q8_1, Q8_K = "none", "f16", "bf16", "q8_0", "q8_1", "q8_K"
+# values per scale of the integer activation types (ggml's QK8_0, QK8_1, QK_K)
+Q8_BLOCK_SIZE = {Q8_0: 32, Q8_1: 32, Q8_K: 256}
 
 
 @intrinsic
@@ -117,31 +119,11 @@ def round_activations(x: np.ndarray, kind: str, out: np.ndarray) -> np.ndarray:
     """out = x as ggml's `kind` quantization represents it. x, out: float32[n_tokens, n_cols]."""
     if kind == NONE:
         out[:] = x
-    elif kind in (Q8_0, Q8_1):
+    elif kind in Q8_BLOCK_SIZE:
         # Q8_1 differs from Q8_0 only in also storing d * sum(q), which a kernel can recompute.
-        _q8_rows(x, out, 32)
-    elif kind == Q8_K:
-        _q8_rows(x, out, 256)
+        _q8_rows(x, out, Q8_BLOCK_SIZE[kind])
     elif kind in (F16, BF16):
         _round_each(x, out, kind == BF16)
     else:
         raise ValueError(f"unknown activation type {kind!r}")
     return out
-
-
-# GGML weight type id -> the activation type ggml's CPU dot product for it uses.
-VEC_DOT_TYPES = {
-    0: NONE,  # F32
-    1: F16,
-    30: BF16,
-    2: Q8_0,  # Q4_0
-    3: Q8_1,  # Q4_1
-    6: Q8_0,  # Q5_0
-    7: Q8_1,  # Q5_1
-    8: Q8_0,  # Q8_0
-    10: Q8_K,  # Q2_K .. Q6_K
-    11: Q8_K,
-    12: Q8_K,
-    13: Q8_K,
-    14: Q8_K,
-}

@@ -5,8 +5,9 @@ multiplies them with the weight's integer quants, applying the float scales once
 that is done with `vpdpbusd` (unsigned x signed bytes, four products summed per int32 lane), on
 the GGUF blocks exactly as they sit in the memory map: no repacking, no copy.
 
-    quantize_q8(x, SUPER_BLOCK[ggml_type], *xq)   # xq = activation_buffers(1, n_cols)
-    MATVEC[ggml_type]((w,), *xq, (out,))          # w: uint8[n_rows, row_bytes], out: [1, n_rows]
+    qt = get_quant_type(ggml_type)                # its record names the unpacker used here
+    quantize_q8(x, Q8_BLOCK_SIZE[qt.vec_dot_type], *xq)  # xq = activation_buffers(1, n_cols)
+    qt.int_matvec((w,), *xq, (out,))              # w: uint8[n_rows, row_bytes], out: [1, n_rows]
 
 The dot products are LLVM IR written with llvmlite and called from Numba as an intrinsic
 (`_rows`), four weight rows at a time so that they share the activation loads, with a software
@@ -43,7 +44,8 @@ from numba.core import cgutils
 from numba.core import config as numba_config
 from numba.extending import intrinsic
 
-from .activations import Q8_K, VEC_DOT_TYPES, q8_scale, round_f16
+from .activations import q8_scale, round_f16
+from .kernels import SOURCE_KEY, depends_on
 
 
 def host_features() -> set[str]:
@@ -528,18 +530,6 @@ def _q3_k(e, blk, c0):
 # ---- the types, as the kernels see them
 
 ROWS = 4  # rows per pass of the matvec kernels
-_BLOCKS = {  # ggml type id: (bytes per block, 32-weight chunks per block, block unpacker)
-    2: (18, 1, _q4_0),
-    3: (20, 1, _q4_1),
-    6: (22, 1, _q5_0),
-    7: (24, 1, _q5_1),
-    8: (34, 1, _q8_0),
-    10: (84, 8, _q2_k),
-    11: (110, 8, _q3_k),
-    12: (144, 8, _q4_k),
-    13: (176, 8, _q5_k),
-    14: (210, 8, _q6_k),
-}
 
 
 @intrinsic
@@ -548,7 +538,10 @@ def _rows(typingctx, ggml_type, n_rows, n_tokens, w, r0, t0, xq, xd, xs, xl, out
     _rows_typer); ggml_type, n_rows and n_tokens must be compile-time constants."""
     if not all(isinstance(v, types.IntegerLiteral) for v in (ggml_type, n_rows, n_tokens)):
         return None
-    sizes = _BLOCKS[ggml_type.literal_value]
+    from . import QUANT_TYPES  # the registry imports this module
+
+    qt = QUANT_TYPES[ggml_type.literal_value]
+    sizes = (qt.type_size, qt.block_size // 32, qt.dot_unpacker)
     typer = _rows_typer(*sizes, n_rows.literal_value, n_tokens.literal_value)
     args = (w, r0, t0, xq, xd, xs, xl, out)
     inner_sig, inner_codegen = typer(typingctx, *args)
@@ -613,10 +606,6 @@ def activation_buffers(n_tokens: int, n_cols: int) -> tuple:
 # code). They are made by a factory; each gets its own __qualname__, which is what Numba's
 # on-disk cache files are named after, so that the types do not share one cache entry.
 
-# activation super-block per GGML type id: Q8_K quantizes 256 columns at a time, Q8_0/Q8_1 32
-SUPER_BLOCK = {t: 256 if VEC_DOT_TYPES[t] == Q8_K else 32 for t in _BLOCKS}
-
-
 # Prefill tiles: TILE_TOKENS tokens share each unpacked weight block (4 rows x 2 tokens: 8 float
 # and 8 integer accumulators, which AVX-512's 32 vector registers hold). Tokens go through in
 # blocks of about ACTIVATION_BLOCK_BYTES of int8 activations, which stay in L2 while every row
@@ -625,13 +614,17 @@ TILE_TOKENS = 2
 ACTIVATION_BLOCK_BYTES = 256 << 10
 
 
-def _matvec(ggml_type: int, name: str):
+def matvec_kernel(ggml_type: int, name: str):
+    """The integer matvec/matmul for a type whose record names a `dot_unpacker` (see _rows)."""
+    source_key = SOURCE_KEY
+
     def matvec(ws, xq, xd, xs, xl, outs):
         """outs[i] = x @ ws[i].T for a tuple of weights of this type that share the input
         (Q/K/V, gate/up): one parallel region for all their rows per block of tokens.
         xq int8[n_tokens, n_cols], xd/xs float32[n_tokens, n_cols // 32], xl int32[n_tokens,
         n_cols // 4] (see quantize_q8); ws[i]: uint8[n_rows_i, row_bytes]; outs[i]:
         float32[n_tokens, n_rows_i]."""
+        depends_on(source_key)  # the record read at compile time lives in another file
         n_tokens, n_cols = xq.shape
         bounds = np.empty(len(ws) + 1, np.int64)  # the row groups of ws[i]: bounds[i]..[i + 1]
         bounds[0] = 0
@@ -664,7 +657,3 @@ def _matvec(ggml_type: int, name: str):
 
     matvec.__qualname__ = f"matvec_{name}"
     return njit(parallel=True, cache=True)(matvec)
-
-
-# GGML type id -> matvec(ws, xq, xd, xs, xl, outs), ws and outs tuples of arrays
-MATVEC = {ggml_type: _matvec(ggml_type, f"ggml_type_{ggml_type}") for ggml_type in _BLOCKS}

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .float import TILE_ROWS, check_shapes, hide_constant, load_f16, matmul_rows
+from .float import check_shapes, hide_constant, load_f16
 
 QK_K = 256
 
@@ -59,7 +59,7 @@ def _q2_k_scale(row, offset, d, dmin):
     return d * np.float32(sc & 15), dmin * np.float32(sc >> 4)
 
 
-@njit(cache=True)
+@njit
 def dequantize_row_q2_k(row, out):
     """Q2_K row uint8[n_cols // 256 * 84] -> out float32[n_cols]."""
     n16 = hide_constant(16)  # keeps the loop below vectorizable
@@ -84,15 +84,6 @@ def dequantize_row_q2_k(row, out):
                     out[e + 32 + i] = d1 * np.float32((q >> 2) & 3) - m1
                     out[e + 64 + i] = d2 * np.float32((q >> 4) & 3) - m2
                     out[e + 96 + i] = d3 * np.float32(q >> 6) - m3
-
-
-@njit(cache=True)
-def dequantize_q2_k(raw):
-    """uint8[n_rows, n_cols // 256 * 84] -> float32[n_rows, n_cols]."""
-    out = np.empty((raw.shape[0], raw.shape[1] // 84 * QK_K), np.float32)
-    for r in range(raw.shape[0]):
-        dequantize_row_q2_k(raw[r], out[r])
-    return out
 
 
 @njit(parallel=True, cache=True)
@@ -135,24 +126,10 @@ def matvec_q2_k(w, x, out):
         out[r] = acc.sum()
 
 
-@njit(parallel=True, cache=True)
-def matmul_q2_k(w, x, out):
-    """out[n_tokens, n_rows] = x[n_tokens, n_cols] @ dequant(w).T, one tile of rows at a time."""
-    check_shapes(w, x, out, QK_K, 84)
-    n_rows = w.shape[0]
-    for tile in prange((n_rows + TILE_ROWS - 1) // TILE_ROWS):
-        rows = np.empty((TILE_ROWS, x.shape[1]), np.float32)  # hoisted: one per thread
-        row0 = tile * TILE_ROWS
-        n = min(TILE_ROWS, n_rows - row0)
-        for r in range(n):
-            dequantize_row_q2_k(w[row0 + r], rows[r])
-        matmul_rows(rows, n, x, out, row0)
-
-
 # ---- Q3_K: 16 sub-blocks of 16 ----
 
 
-@njit(cache=True)
+@njit
 def dequantize_row_q3_k(row, out):
     """Q3_K row uint8[n_cols // 256 * 110] -> out float32[n_cols]."""
     n16 = hide_constant(16)  # keeps the loop below vectorizable
@@ -178,15 +155,6 @@ def dequantize_row_q3_k(row, out):
                     out[e + 32 + i] = d1 * np.float32(((q >> 2) & 3) - 4 + ((m & 2) << 1))
                     out[e + 64 + i] = d2 * np.float32(((q >> 4) & 3) - 4 + (m & 4))
                     out[e + 96 + i] = d3 * np.float32((q >> 6) - 4 + ((m & 8) >> 1))
-
-
-@njit(cache=True)
-def dequantize_q3_k(raw):
-    """uint8[n_rows, n_cols // 256 * 110] -> float32[n_rows, n_cols]."""
-    out = np.empty((raw.shape[0], raw.shape[1] // 110 * QK_K), np.float32)
-    for r in range(raw.shape[0]):
-        dequantize_row_q3_k(raw[r], out[r])
-    return out
 
 
 @njit(parallel=True, cache=True)
@@ -233,24 +201,10 @@ def matvec_q3_k(w, x, out):
         out[r] = acc.sum()
 
 
-@njit(parallel=True, cache=True)
-def matmul_q3_k(w, x, out):
-    """out[n_tokens, n_rows] = x[n_tokens, n_cols] @ dequant(w).T, one tile of rows at a time."""
-    check_shapes(w, x, out, QK_K, 110)
-    n_rows = w.shape[0]
-    for tile in prange((n_rows + TILE_ROWS - 1) // TILE_ROWS):
-        rows = np.empty((TILE_ROWS, x.shape[1]), np.float32)  # hoisted: one per thread
-        row0 = tile * TILE_ROWS
-        n = min(TILE_ROWS, n_rows - row0)
-        for r in range(n):
-            dequantize_row_q3_k(w[row0 + r], rows[r])
-        matmul_rows(rows, n, x, out, row0)
-
-
 # ---- Q4_K: 8 sub-blocks of 32; sub-blocks 2p and 2p+1 share the 32 bytes qs[32p:32p+32] ----
 
 
-@njit(cache=True)
+@njit
 def dequantize_row_q4_k(row, out):
     """Q4_K row uint8[n_cols // 256 * 144] -> out float32[n_cols]."""
     n32 = hide_constant(32)  # keeps the loop below vectorizable
@@ -267,15 +221,6 @@ def dequantize_row_q4_k(row, out):
             e = b * QK_K + j * 32
             for i in range(n32):
                 out[e + i] = ds * np.float32((row[q_at + i] >> shift) & 15) - dm
-
-
-@njit(cache=True)
-def dequantize_q4_k(raw):
-    """uint8[n_rows, n_cols // 256 * 144] -> float32[n_rows, n_cols]."""
-    out = np.empty((raw.shape[0], raw.shape[1] // 144 * QK_K), np.float32)
-    for r in range(raw.shape[0]):
-        dequantize_row_q4_k(raw[r], out[r])
-    return out
 
 
 @njit(parallel=True, cache=True)
@@ -306,24 +251,10 @@ def matvec_q4_k(w, x, out):
         out[r] = acc.sum()
 
 
-@njit(parallel=True, cache=True)
-def matmul_q4_k(w, x, out):
-    """out[n_tokens, n_rows] = x[n_tokens, n_cols] @ dequant(w).T, one tile of rows at a time."""
-    check_shapes(w, x, out, QK_K, 144)
-    n_rows = w.shape[0]
-    for tile in prange((n_rows + TILE_ROWS - 1) // TILE_ROWS):
-        rows = np.empty((TILE_ROWS, x.shape[1]), np.float32)  # hoisted: one per thread
-        row0 = tile * TILE_ROWS
-        n = min(TILE_ROWS, n_rows - row0)
-        for r in range(n):
-            dequantize_row_q4_k(w[row0 + r], rows[r])
-        matmul_rows(rows, n, x, out, row0)
-
-
 # ---- Q5_K: Q4_K plus a fifth bit: bit j of qh[i] belongs to sub-block j ----
 
 
-@njit(cache=True)
+@njit
 def dequantize_row_q5_k(row, out):
     """Q5_K row uint8[n_cols // 256 * 176] -> out float32[n_cols]."""
     n32 = hide_constant(32)  # keeps the loop below vectorizable
@@ -341,15 +272,6 @@ def dequantize_row_q5_k(row, out):
             for i in range(n32):
                 q = ((row[q_at + i] >> shift) & 15) | (((row[o + 16 + i] >> j) & 1) << 4)
                 out[e + i] = ds * np.float32(q) - dm
-
-
-@njit(cache=True)
-def dequantize_q5_k(raw):
-    """uint8[n_rows, n_cols // 256 * 176] -> float32[n_rows, n_cols]."""
-    out = np.empty((raw.shape[0], raw.shape[1] // 176 * QK_K), np.float32)
-    for r in range(raw.shape[0]):
-        dequantize_row_q5_k(raw[r], out[r])
-    return out
 
 
 @njit(parallel=True, cache=True)
@@ -383,27 +305,13 @@ def matvec_q5_k(w, x, out):
         out[r] = acc.sum()
 
 
-@njit(parallel=True, cache=True)
-def matmul_q5_k(w, x, out):
-    """out[n_tokens, n_rows] = x[n_tokens, n_cols] @ dequant(w).T, one tile of rows at a time."""
-    check_shapes(w, x, out, QK_K, 176)
-    n_rows = w.shape[0]
-    for tile in prange((n_rows + TILE_ROWS - 1) // TILE_ROWS):
-        rows = np.empty((TILE_ROWS, x.shape[1]), np.float32)  # hoisted: one per thread
-        row0 = tile * TILE_ROWS
-        n = min(TILE_ROWS, n_rows - row0)
-        for r in range(n):
-            dequantize_row_q5_k(w[row0 + r], rows[r])
-        matmul_rows(rows, n, x, out, row0)
-
-
 # ---- Q6_K: 16 sub-blocks of 16 with int8 scales ----
 # Weight e = 128 h + 32 k + i (h < 2, k < 4, i < 32) has its low 4 bits in the
 # (k >> 1) nibble of ql[64 h + 32 (k & 1) + i] and its high 2 bits at bit 2k of qh[32 h + i];
 # its sub-block is 8 h + 2 k + (i >= 16).
 
 
-@njit(cache=True)
+@njit
 def dequantize_row_q6_k(row, out):
     """Q6_K row uint8[n_cols // 256 * 210] -> out float32[n_cols]."""
     n16 = hide_constant(16)  # keeps the loop below vectorizable
@@ -430,15 +338,6 @@ def dequantize_row_q6_k(row, out):
                     out[e + 32 + i] = d1 * np.float32(((hi & 15) | ((qh & 12) << 2)) - 32)
                     out[e + 64 + i] = d2 * np.float32(((lo >> 4) | (qh & 48)) - 32)
                     out[e + 96 + i] = d3 * np.float32(((hi >> 4) | ((qh & 192) >> 2)) - 32)
-
-
-@njit(cache=True)
-def dequantize_q6_k(raw):
-    """uint8[n_rows, n_cols // 256 * 210] -> float32[n_rows, n_cols]."""
-    out = np.empty((raw.shape[0], raw.shape[1] // 210 * QK_K), np.float32)
-    for r in range(raw.shape[0]):
-        dequantize_row_q6_k(raw[r], out[r])
-    return out
 
 
 @njit(parallel=True, cache=True)
@@ -481,17 +380,3 @@ def matvec_q6_k(w, x, out):
                         + (d3a if a else d3b) * np.float32(q3) * x[e + 96 + i]
                     )
         out[r] = acc.sum()
-
-
-@njit(parallel=True, cache=True)
-def matmul_q6_k(w, x, out):
-    """out[n_tokens, n_rows] = x[n_tokens, n_cols] @ dequant(w).T, one tile of rows at a time."""
-    check_shapes(w, x, out, QK_K, 210)
-    n_rows = w.shape[0]
-    for tile in prange((n_rows + TILE_ROWS - 1) // TILE_ROWS):
-        rows = np.empty((TILE_ROWS, x.shape[1]), np.float32)  # hoisted: one per thread
-        row0 = tile * TILE_ROWS
-        n = min(TILE_ROWS, n_rows - row0)
-        for r in range(n):
-            dequantize_row_q6_k(w[row0 + r], rows[r])
-        matmul_rows(rows, n, x, out, row0)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .float import TILE_ROWS, check_shapes, hide_constant, load_f16, matmul_rows
+from .float import check_shapes, hide_constant, load_f16
 
 
 @njit(cache=True)
@@ -45,7 +45,7 @@ def _high_bit(qh, i):
 # ---- Q4_0 ----
 
 
-@njit(cache=True)
+@njit
 def dequantize_row_q4_0(row, out):
     """Q4_0 row uint8[n_cols // 32 * 18] -> out float32[n_cols]."""
     n16 = hide_constant(16)  # keeps the loop below vectorizable
@@ -56,15 +56,6 @@ def dequantize_row_q4_0(row, out):
             q = row[o + 2 + i]
             out[e + i] = d * np.float32(np.int32(q & 15) - 8)
             out[e + i + 16] = d * np.float32(np.int32(q >> 4) - 8)
-
-
-@njit(cache=True)
-def dequantize_q4_0(raw):
-    """uint8[n_rows, n_cols // 32 * 18] -> float32[n_rows, n_cols]."""
-    out = np.empty((raw.shape[0], raw.shape[1] // 18 * 32), np.float32)
-    for r in range(raw.shape[0]):
-        dequantize_row_q4_0(raw[r], out[r])
-    return out
 
 
 @njit(parallel=True, cache=True)
@@ -86,24 +77,10 @@ def matvec_q4_0(w, x, out):
         out[r] = acc.sum()
 
 
-@njit(parallel=True, cache=True)
-def matmul_q4_0(w, x, out):
-    """out[n_tokens, n_rows] = x[n_tokens, n_cols] @ dequant(w).T, one tile of rows at a time."""
-    check_shapes(w, x, out, 32, 18)
-    n_rows = w.shape[0]
-    for tile in prange((n_rows + TILE_ROWS - 1) // TILE_ROWS):
-        rows = np.empty((TILE_ROWS, x.shape[1]), np.float32)  # hoisted: one per thread
-        row0 = tile * TILE_ROWS
-        n = min(TILE_ROWS, n_rows - row0)
-        for r in range(n):
-            dequantize_row_q4_0(w[row0 + r], rows[r])
-        matmul_rows(rows, n, x, out, row0)
-
-
 # ---- Q4_1 ----
 
 
-@njit(cache=True)
+@njit
 def dequantize_row_q4_1(row, out):
     """Q4_1 row uint8[n_cols // 32 * 20] -> out float32[n_cols]."""
     n16 = hide_constant(16)  # keeps the loop below vectorizable
@@ -115,15 +92,6 @@ def dequantize_row_q4_1(row, out):
             q = row[o + 4 + i]
             out[e + i] = d * np.float32(q & 15) + m
             out[e + i + 16] = d * np.float32(q >> 4) + m
-
-
-@njit(cache=True)
-def dequantize_q4_1(raw):
-    """uint8[n_rows, n_cols // 32 * 20] -> float32[n_rows, n_cols]."""
-    out = np.empty((raw.shape[0], raw.shape[1] // 20 * 32), np.float32)
-    for r in range(raw.shape[0]):
-        dequantize_row_q4_1(raw[r], out[r])
-    return out
 
 
 @njit(parallel=True, cache=True)
@@ -146,24 +114,10 @@ def matvec_q4_1(w, x, out):
         out[r] = acc.sum()
 
 
-@njit(parallel=True, cache=True)
-def matmul_q4_1(w, x, out):
-    """out[n_tokens, n_rows] = x[n_tokens, n_cols] @ dequant(w).T, one tile of rows at a time."""
-    check_shapes(w, x, out, 32, 20)
-    n_rows = w.shape[0]
-    for tile in prange((n_rows + TILE_ROWS - 1) // TILE_ROWS):
-        rows = np.empty((TILE_ROWS, x.shape[1]), np.float32)  # hoisted: one per thread
-        row0 = tile * TILE_ROWS
-        n = min(TILE_ROWS, n_rows - row0)
-        for r in range(n):
-            dequantize_row_q4_1(w[row0 + r], rows[r])
-        matmul_rows(rows, n, x, out, row0)
-
-
 # ---- Q5_0 ----
 
 
-@njit(cache=True)
+@njit
 def dequantize_row_q5_0(row, out):
     """Q5_0 row uint8[n_cols // 32 * 22] -> out float32[n_cols]."""
     n16 = hide_constant(16)  # keeps the loop below vectorizable
@@ -175,15 +129,6 @@ def dequantize_row_q5_0(row, out):
             q = row[o + 6 + i]
             out[e + i] = d * np.float32((np.int32(q & 15) | _high_bit(qh, i)) - 16)
             out[e + i + 16] = d * np.float32((np.int32(q >> 4) | _high_bit(qh, i + 16)) - 16)
-
-
-@njit(cache=True)
-def dequantize_q5_0(raw):
-    """uint8[n_rows, n_cols // 32 * 22] -> float32[n_rows, n_cols]."""
-    out = np.empty((raw.shape[0], raw.shape[1] // 22 * 32), np.float32)
-    for r in range(raw.shape[0]):
-        dequantize_row_q5_0(raw[r], out[r])
-    return out
 
 
 @njit(parallel=True, cache=True)
@@ -213,24 +158,10 @@ def matvec_q5_0(w, x, out):
         out[r] = acc.sum()
 
 
-@njit(parallel=True, cache=True)
-def matmul_q5_0(w, x, out):
-    """out[n_tokens, n_rows] = x[n_tokens, n_cols] @ dequant(w).T, one tile of rows at a time."""
-    check_shapes(w, x, out, 32, 22)
-    n_rows = w.shape[0]
-    for tile in prange((n_rows + TILE_ROWS - 1) // TILE_ROWS):
-        rows = np.empty((TILE_ROWS, x.shape[1]), np.float32)  # hoisted: one per thread
-        row0 = tile * TILE_ROWS
-        n = min(TILE_ROWS, n_rows - row0)
-        for r in range(n):
-            dequantize_row_q5_0(w[row0 + r], rows[r])
-        matmul_rows(rows, n, x, out, row0)
-
-
 # ---- Q5_1 ----
 
 
-@njit(cache=True)
+@njit
 def dequantize_row_q5_1(row, out):
     """Q5_1 row uint8[n_cols // 32 * 24] -> out float32[n_cols]."""
     n16 = hide_constant(16)  # keeps the loop below vectorizable
@@ -243,15 +174,6 @@ def dequantize_row_q5_1(row, out):
             q = row[o + 8 + i]
             out[e + i] = d * np.float32(np.int32(q & 15) | _high_bit(qh, i)) + m
             out[e + i + 16] = d * np.float32(np.int32(q >> 4) | _high_bit(qh, i + 16)) + m
-
-
-@njit(cache=True)
-def dequantize_q5_1(raw):
-    """uint8[n_rows, n_cols // 32 * 24] -> float32[n_rows, n_cols]."""
-    out = np.empty((raw.shape[0], raw.shape[1] // 24 * 32), np.float32)
-    for r in range(raw.shape[0]):
-        dequantize_row_q5_1(raw[r], out[r])
-    return out
 
 
 @njit(parallel=True, cache=True)
@@ -277,24 +199,10 @@ def matvec_q5_1(w, x, out):
         out[r] = acc.sum()
 
 
-@njit(parallel=True, cache=True)
-def matmul_q5_1(w, x, out):
-    """out[n_tokens, n_rows] = x[n_tokens, n_cols] @ dequant(w).T, one tile of rows at a time."""
-    check_shapes(w, x, out, 32, 24)
-    n_rows = w.shape[0]
-    for tile in prange((n_rows + TILE_ROWS - 1) // TILE_ROWS):
-        rows = np.empty((TILE_ROWS, x.shape[1]), np.float32)  # hoisted: one per thread
-        row0 = tile * TILE_ROWS
-        n = min(TILE_ROWS, n_rows - row0)
-        for r in range(n):
-            dequantize_row_q5_1(w[row0 + r], rows[r])
-        matmul_rows(rows, n, x, out, row0)
-
-
 # ---- Q8_0 ----
 
 
-@njit(cache=True)
+@njit
 def dequantize_row_q8_0(row, out):
     """Q8_0 row uint8[n_cols // 32 * 34] -> out float32[n_cols]."""
     n32 = hide_constant(32)  # keeps the loop below vectorizable
@@ -303,15 +211,6 @@ def dequantize_row_q8_0(row, out):
         d = load_f16(row, o)
         for i in range(n32):
             out[e + i] = np.float32(np.int8(row[o + 2 + i])) * d
-
-
-@njit(cache=True)
-def dequantize_q8_0(raw):
-    """uint8[n_rows, n_cols // 32 * 34] -> float32[n_rows, n_cols]."""
-    out = np.empty((raw.shape[0], raw.shape[1] // 34 * 32), np.float32)
-    for r in range(raw.shape[0]):
-        dequantize_row_q8_0(raw[r], out[r])
-    return out
 
 
 @njit(parallel=True, cache=True)
@@ -329,17 +228,3 @@ def matvec_q8_0(w, x, out):
             for i in range(32):
                 acc[i] += np.float32(np.int8(wr[o + 2 + i])) * d * x[e + i]
         out[r] = acc.sum()
-
-
-@njit(parallel=True, cache=True)
-def matmul_q8_0(w, x, out):
-    """out[n_tokens, n_rows] = x[n_tokens, n_cols] @ dequant(w).T, one tile of rows at a time."""
-    check_shapes(w, x, out, 32, 34)
-    n_rows = w.shape[0]
-    for tile in prange((n_rows + TILE_ROWS - 1) // TILE_ROWS):
-        rows = np.empty((TILE_ROWS, x.shape[1]), np.float32)  # hoisted: one per thread
-        row0 = tile * TILE_ROWS
-        n = min(TILE_ROWS, n_rows - row0)
-        for r in range(n):
-            dequantize_row_q8_0(w[row0 + r], rows[r])
-        matmul_rows(rows, n, x, out, row0)
