@@ -23,6 +23,10 @@ F16_FIELDS = {
 }
 
 
+# byte offsets of E8M0 exponent fields (a scale of 2^(e - 128)), kept to scales near 1/64
+E8M0_FIELDS = {"MXFP4": (0,)}
+
+
 def ggml_id(name: str) -> int:
     return int(GGMLQuantizationType[name])
 
@@ -46,7 +50,9 @@ def random_weights(name: str, n_rows: int, n_cols: int, rng, scale_range=(-0.05,
     qt = get_quant_type(ggml_id(name))
     n_blocks = n_cols // qt.block_size
     raw = rng.integers(0, 256, size=(n_rows, n_blocks, qt.type_size), dtype=np.uint8)
-    for offset in F16_FIELDS[name]:
+    for offset in E8M0_FIELDS.get(name, ()):
+        raw[:, :, offset] = rng.integers(118, 126, size=(n_rows, n_blocks), dtype=np.uint8)
+    for offset in F16_FIELDS.get(name, ()):
         scales = rng.uniform(*scale_range, size=(n_rows, n_blocks)).astype(np.float16)
         scales.flat[::17] = 0.0
         scales.flat[5::23] = np.float16(3e-6)  # subnormal in f16

@@ -335,7 +335,8 @@ CASES: dict[str, Case] = {
             "context of 64), NeoX RoPE; 8 experts of width 64 with biases, 2 chosen by the "
             "biased router's logits and weighted by a softmax over those two, the clamped "
             "SwiGLU; the FFN norm named post_attention_norm; 4 heads of 16 over 2 KV heads on "
-            "a 64 embedding, an untied head; the o200k (gpt-4o) pre-tokenizer",
+            "a 64 embedding, an untied head; MXFP4 experts, as OpenAI's files have them; the o200k "
+            "(gpt-4o) pre-tokenizer",
             seed=13,
             dim=64,
             n_heads=4,
@@ -353,7 +354,7 @@ CASES: dict[str, Case] = {
             output_norm_gain=1.0,
             moe=(8, 2, 64, 0),
             router_gain=3.0,
-            types={"embd": "F16", "output": "F16", "attn": "F16", "ffn": "F16", "experts": "Q8_0"},
+            types={"embd": "F16", "output": "F16", "attn": "F16", "ffn": "F16", "experts": "MXFP4"},
             prompt_lengths=(30, 100),
             tokenize_text="The Model's layer WAS rotated 12345 times!\n\nIt's the position/token.",
         ),

@@ -29,7 +29,7 @@ from gguf.constants import GGMLQuantizationType
 
 from ..errors import LocalLLMError
 from . import float as fp
-from . import intdot, kquants, legacy
+from . import intdot, kquants, legacy, mxfp4
 from .activations import BF16, F16, NONE, Q8_0, Q8_1, Q8_K
 from .kernels import dequantize_kernel, matmul_kernel
 
@@ -91,6 +91,9 @@ QUANT_TYPES: dict[int, QuantType] = {
         _record(12, "Q4_K", 256, 144, Q8_K, kquants, intdot._q4_k),
         _record(13, "Q5_K", 256, 176, Q8_K, kquants, intdot._q5_k),
         _record(14, "Q6_K", 256, 210, Q8_K, kquants, intdot._q6_k),
+        QuantType(
+            39, "MXFP4", 32, 17, Q8_0, mxfp4.dequantize_row_mxfp4, mxfp4.matvec_mxfp4
+        ),  # float kernels only, so far; no CUDA kernel
     )
 }
 
