@@ -29,7 +29,7 @@ from gguf.constants import GGMLQuantizationType
 
 from ..errors import LocalLLMError
 from . import float as fp
-from . import intdot, kquants, legacy, mxfp4
+from . import intdot, iquants, kquants, legacy, mxfp4
 from .activations import BF16, F16, NONE, Q8_0, Q8_1, Q8_K
 from .kernels import dequantize_kernel, matmul_kernel
 
@@ -65,12 +65,13 @@ class QuantType:
         set_field("int_matvec", int_matvec)
 
 
-def _record(ggml_type, name, block_size, type_size, vec_dot_type, module, unpacker=None):
+def _record(ggml_type, name, block_size, type_size, vec_dot_type, module, unpacker=None,
+            cuda=True):  # fmt: skip
     suffix = name.lower()
     return QuantType(
         ggml_type, name, block_size, type_size, vec_dot_type,
         getattr(module, f"dequantize_row_{suffix}"), getattr(module, f"matvec_{suffix}"),
-        unpacker, cuda=True,
+        unpacker, cuda,
     )  # fmt: skip
 
 
@@ -91,9 +92,9 @@ QUANT_TYPES: dict[int, QuantType] = {
         _record(12, "Q4_K", 256, 144, Q8_K, kquants, intdot._q4_k),
         _record(13, "Q5_K", 256, 176, Q8_K, kquants, intdot._q5_k),
         _record(14, "Q6_K", 256, 210, Q8_K, kquants, intdot._q6_k),
-        QuantType(
-            39, "MXFP4", 32, 17, Q8_0, mxfp4.dequantize_row_mxfp4, mxfp4.matvec_mxfp4
-        ),  # float kernels only, so far; no CUDA kernel
+        _record(20, "IQ4_NL", 32, 18, Q8_0, iquants, intdot._iq4_nl, cuda=False),
+        _record(23, "IQ4_XS", 256, 136, Q8_K, iquants, intdot._iq4_xs, cuda=False),
+        _record(39, "MXFP4", 32, 17, Q8_0, mxfp4, cuda=False),
     )
 }
 

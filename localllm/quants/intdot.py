@@ -22,6 +22,8 @@ Weights are w = d * (u - o) for the symmetric types (Q4_0: o = 8, Q5_0: 16, Q8_0
 flipping the sign bit, Q6_K: 32): `init = -o * xl` subtracts o * (sum of the 4 activations) per
 lane in integers, from `xl`, computed once per activation row. The asymmetric types (w = d * u + m)
 add m * xs per block instead, xs = d_x * sum(q_x) of the block.
+IQ4_NL / IQ4_XS weights are levels of a fixed int8 grid: `vpshufb` looks the 4-bit indices up
+(levels + 128, o = 128, for vpdpbusd).
 
 `INSTRUCTION_SET` is chosen from the CPU features Numba compiles for that this CPU also has
 (cpuid): "vnni" (vpdpbusd, AVX-512 VNNI+VL or the VEX-coded AVX-VNNI), "avx2" (vpmaddubsw +
@@ -45,6 +47,7 @@ from numba.core import config as numba_config
 from numba.extending import intrinsic
 
 from .activations import q8_scale, round_f16
+from .iquants import KVALUES_IQ4NL
 from .kernels import SOURCE_KEY, depends_on
 
 
@@ -95,6 +98,23 @@ def _splat(vec_type, value):
 SIGNED = -1  # the `offset` of a chunk of int8 weights (Q8_0)
 
 
+PER_BLOCK = "per block"  # the `scale` of a chunk of a group: its own scale comes at GroupEnd
+
+
+class GroupEnd(tuple):
+    """Yielded by a grouped block writer (`grouped = True`, called with 8 blocks at once) after
+    the 8 chunks of 8 consecutive 32-weight blocks, each yielded with scale PER_BLOCK: `scales`,
+    an <8 x float>, holds the blocks' weight scales. Each block's integer sum times its scale and
+    its activation scale goes into the float accumulator, the 8 of them in one vector: one
+    conversion and one multiply-add per 8 blocks instead of one per block. Five fields."""
+
+    def __new__(cls, chunk, scales):
+        return super().__new__(cls, (chunk, None, None, scales, None))
+
+    chunk = property(lambda self: self[0])
+    scales = property(lambda self: self[3])
+
+
 class BlockEnd(tuple):
     """Yielded by a block writer after chunks whose scales are integers (i32, or <8 x i32> per
     lane): the block's integer sum times `scale` (float, the super-block's d) and the activation
@@ -126,6 +146,8 @@ class _Emitter:
         self.accm = [
             cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(n_rows)
         ]
+        # the integer sums of the blocks of a group, per row, until its GroupEnd
+        self.pending = [[] for _ in range(n_rows)]
         # the integer sums of a super-block whose chunks have integer scales (see BlockEnd)
         self.iacc = [
             cgutils.alloca_once_value(builder, ir.Constant(_V8I32, None)) for _ in range(n_rows)
@@ -184,6 +206,10 @@ class _Emitter:
         ones = _splat(ir.VectorType(_I16, 16), 1)
         return self.b.add(init, self._intrinsic("llvm.x86.avx2.pmadd.wd", _V8I32, pairs, ones))
 
+    def lookup(self, table, indices):
+        """<32 x i8>: table[indices] per 128-bit half (vpshufb), indices < 16."""
+        return self._intrinsic("llvm.x86.avx2.pshuf.b", _V32I8, table, indices)
+
     def sign(self, v, s):
         """v negated where s < 0, zeroed where s == 0 (vpsignb)."""
         return self._intrinsic("llvm.x86.avx2.psign.b", _V32I8, v, s)
@@ -199,6 +225,9 @@ class _Emitter:
         if isinstance(chunk, BlockEnd):
             self.end_block(row, chunk)
             return
+        if isinstance(chunk, GroupEnd):
+            self.end_group(row, chunk)
+            return
         x = self.load(self.xq, b.mul(c, ir.Constant(c.type, 32)), _V8I32)
         init = ir.Constant(_V8I32, None)
         if offset == SIGNED and INSTRUCTION_SET == "avx2":
@@ -212,6 +241,9 @@ class _Emitter:
             if offset:  # -offset * (sum of the 4 activations of each lane)
                 init = b.mul(self.lane_sums(c), _splat(_V8I32, -offset))
             isum = self.dot(init, u, b.bitcast(x, _V32I8))
+        if isinstance(scale, str):  # PER_BLOCK: kept apart until the group's end
+            self.pending[row].append(isum)
+            return
         dx = b.load(b.gep(self.xd, [c]))
         if isinstance(scale.type, ir.IntType) or scale.type == _V8I32:
             # an integer scale (k-quants' sub-block scales): into the block's integer sum, which
@@ -253,6 +285,35 @@ class _Emitter:
         b.store(acc, self.acc[row])
         b.store(ir.Constant(_V8I32, None), self.iacc[row])
 
+    def end_group(self, row, end):
+        """acc += float(sum of block k) * scales[k] * dx[k], the 8 blocks in the 8 lanes."""
+        b = self.b
+        sums = self.pending[row]
+        self.pending[row] = []
+
+        def phadd(u, v):
+            return self._intrinsic("llvm.x86.avx2.phadd.d", _V8I32, u, v)
+
+        # per 128-bit half: pairs, then quads of lanes: u0 holds blocks 0-3 (lanes 0-3 their
+        # columns 0-15, lanes 4-7 their columns 16-31), u1 blocks 4-7
+        pairs = [phadd(sums[2 * k], sums[2 * k + 1]) for k in range(4)]
+        u0, u1 = phadd(pairs[0], pairs[1]), phadd(pairs[2], pairs[3])
+        low = b.shuffle_vector(u0, u1, ir.Constant(_V8I32, [0, 1, 2, 3, 8, 9, 10, 11]))
+        high = b.shuffle_vector(u0, u1, ir.Constant(_V8I32, [4, 5, 6, 7, 12, 13, 14, 15]))
+        totals = b.sitofp(b.add(low, high), _V8F32)
+        dx = b.load(b.bitcast(b.gep(self.xd, [end.chunk]), _V8F32.as_pointer()), align=4)
+        prod = b.fmul(totals, b.fmul(end.scales, dx), flags=("contract",))
+        b.store(b.fadd(b.load(self.acc[row]), prod, flags=("contract",)), self.acc[row])
+
+    def f16x8(self, block, offset, stride):
+        """<8 x float>: the 8 IEEE halves at block + offset + k * stride (vcvtph2ps once)."""
+        halves = ir.Constant(ir.VectorType(_I16, 8), None)
+        for k in range(8):
+            value = self.load(block, offset + k * stride, _I16)
+            halves = self.b.insert_element(halves, value, ir.Constant(_I32, k))
+        halves = self.b.bitcast(halves, ir.VectorType(ir.HalfType(), 8))
+        return self.b.fpext(halves, _V8F32)
+
     def lane_sums(self, c):
         """<8 x i32>: the sums of the 4 activation quants of each lane of chunk c."""
         lanes = self.b.gep(self.xl, [self.b.mul(c, ir.Constant(c.type, 8))])
@@ -274,6 +335,7 @@ class _Emitter:
 # with 8 KiB and 16.4 with 16 KiB on one thread; the 8B shape decoded at 7.2-7.3 against 7.8-8.4
 # tok/s on 2 threads, the 1.5B the same within noise.
 PREFETCH_BYTES = 16384
+GROUP = 8  # 32-weight blocks per step of the block loop
 
 
 def _rows_typer(type_size, chunks_per_block, unpack_block, n_rows, n_tokens):
@@ -285,10 +347,16 @@ def _rows_typer(type_size, chunks_per_block, unpack_block, n_rows, n_tokens):
     n_cols // 32]; xl: int32[tokens, n_cols // 4]; out: float32[tokens, rows]; all C-contiguous.
     The rows advance block by block together, sharing the activation loads; each block is
     unpacked once for all n_tokens tokens (a tile of a prefill: the weights are read once per
-    tile); unpack_block(e, block_ptr, first_chunk) yields a block's chunks. A token's dot
+    tile); unpack_block(e, block_ptr, first_chunk) yields a block's chunks (and, if it is
+    `grouped`, unpack_block(e, block_ptr, first_chunk, GROUP) those of GROUP blocks). A token's dot
     products are computed in the same order whatever the tile, so that a token gets the same
     logits decoded alone or in a batch.
     """
+
+    # 32-weight blocks go GROUP at a time: one loop step and one prefetch per cache line,
+    # instead of a step and a prefetch per 18-34 byte block
+    group = max(1, GROUP // chunks_per_block)
+    grouped = getattr(unpack_block, "grouped", False)  # it takes GROUP blocks at once too
 
     def rows(typingctx, w, r0, t0, xq, xd, xs, xl, out):
         sig = types.void(w, r0, t0, xq, xd, xs, xl, out)
@@ -324,20 +392,41 @@ def _rows_typer(type_size, chunks_per_block, unpack_block, n_rows, n_tokens):
                 ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]),
                 "llvm.prefetch.p0",
             )
-            n_blocks = builder.udiv(row_bytes, ir.Constant(i64, type_size))
-            with cgutils.for_range(builder, n_blocks) as loop:
-                offset = builder.mul(loop.index, ir.Constant(i64, type_size))
-                first = builder.mul(loop.index, ir.Constant(i64, chunks_per_block))
+
+            def blocks(first_block, count):
+                """count blocks from first_block on, for every row, in each row's order."""
+                offset0 = builder.mul(first_block, ir.Constant(i64, type_size))
                 for i, row in enumerate(rows):
-                    # every cache line of the block PREFETCH_BYTES ahead (a k-quant block spans
-                    # up to 4): read, keep in all cache levels, data
-                    for line in range(0, type_size, 64):
-                        at = builder.add(offset, ir.Constant(i64, PREFETCH_BYTES + line))
+                    # every cache line of these blocks PREFETCH_BYTES ahead: read, keep in all
+                    # cache levels, data
+                    for line in range(0, count * type_size, 64):
+                        at = builder.add(offset0, ir.Constant(i64, PREFETCH_BYTES + line))
                         flags = (ir.Constant(_I32, v) for v in (0, 3, 1))
                         builder.call(prefetch, [builder.gep(row, [at]), *flags])
-                    for chunk in unpack_block(e, builder.gep(row, [offset]), first):
-                        for em in emitters:
-                            em.accumulate(i, chunk)
+                    if grouped and count == GROUP:  # one call for the whole group
+                        calls = [(first_block, (count,))]
+                    else:
+                        calls = [
+                            (builder.add(first_block, ir.Constant(i64, k)), ())
+                            for k in range(count)
+                        ]
+                    for block, group_size in calls:
+                        offset = builder.mul(block, ir.Constant(i64, type_size))
+                        first = builder.mul(block, ir.Constant(i64, chunks_per_block))
+                        block_ptr = builder.gep(row, [offset])
+                        for chunk in unpack_block(e, block_ptr, first, *group_size):
+                            for em in emitters:
+                                em.accumulate(i, chunk)
+
+            n_blocks = builder.udiv(row_bytes, ir.Constant(i64, type_size))
+            n_groups = builder.udiv(n_blocks, ir.Constant(i64, group))
+            with cgutils.for_range(builder, n_groups) as loop:
+                blocks(builder.mul(loop.index, ir.Constant(i64, group)), group)
+            if group > 1:  # the blocks after the last whole group
+                start = builder.mul(n_groups, ir.Constant(i64, group))
+                one = ir.Constant(i64, 1)
+                with cgutils.for_range_slice(builder, start, n_blocks, one) as (index, _):
+                    blocks(index, 1)
             for tok, em in enumerate(emitters):
                 out_row = token_row(7, tok)
                 for i in range(n_rows):
@@ -525,6 +614,54 @@ def _q3_k(e, blk, c0):
             k = 8 * h + 2 * j
             scales = [b.fmul(d, _q3_k_scale(e, blk, k + half)) for half in range(2)]
             yield e.chunk_index(c0, 4 * h + j), u, 4, _two_halves(e, *scales), None
+
+
+# ---- i-quants: 4-bit indices into ggml's non-uniform grid kvalues_iq4nl
+
+
+def _iq4_levels(e, packed):
+    """(u, offset) of 32 weights from 16 bytes of 4-bit indices (low nibbles, then high): the
+    int8 levels looked up with vpshufb, which indexes each 128-bit half of the table separately,
+    so the 16 levels sit in both halves. For vpdpbusd the table holds the levels + 128 (unsigned,
+    128 subtracted through the lane sums); AVX2 takes the int8 levels with ggml's sign trick."""
+    lo, hi = e.nibbles(packed)
+    if INSTRUCTION_SET == "vnni":
+        levels, offset = [v + 128 for v in KVALUES_IQ4NL], 128
+    else:
+        levels, offset = list(KVALUES_IQ4NL), SIGNED
+    table = ir.Constant(_V32I8, [v if v < 128 else v - 256 for v in levels * 2])
+    return e.lookup(table, e.concat(lo, hi)), offset
+
+
+def _iq4_nl(e, blk, c, count=1):
+    """d f16 | qs[16]: w = d * level[q], as Q4_0 with a grid for q - 8. Called with one block
+    or a group of 8 (see GroupEnd)."""
+    if count == 1:
+        u, offset = _iq4_levels(e, e.load(blk, 2, _V16I8))
+        yield c, u, offset, e.f16(blk, 0), None
+        return
+    for k in range(count):
+        u, offset = _iq4_levels(e, e.load(blk, 18 * k + 2, _V16I8))
+        yield e.chunk_index(c, k), u, offset, PER_BLOCK, None
+    yield GroupEnd(c, e.f16x8(blk, 0, 18))
+
+
+_iq4_nl.grouped = True
+
+
+def _iq4_xs(e, blk, c0):
+    """d f16 | scales_h u16 | scales_l[4] | qs[128]: w = d * (ls - 32) * level[q] per 32
+    weights. The 6-bit scales stay integers until the block's end, as in ggml's
+    vec_dot_iq4_xs_q8_K (and Q6_K here)."""
+    b = e.b
+    scales_h = b.zext(e.load(blk, 2, _I16), _I32)
+    for j in range(8):
+        low = b.lshr(e.byte(blk, 4 + j // 2), ir.Constant(_I32, 4 * (j % 2)))
+        high = b.and_(b.lshr(scales_h, ir.Constant(_I32, 2 * j)), ir.Constant(_I32, 3))
+        ls = b.or_(b.and_(low, ir.Constant(_I32, 15)), b.shl(high, ir.Constant(_I32, 4)))
+        u, offset = _iq4_levels(e, e.load(blk, 8 + 16 * j, _V16I8))
+        yield e.chunk_index(c0, j), u, offset, b.sub(ls, ir.Constant(_I32, 32)), None
+    yield BlockEnd(c0, e.f16(blk, 0))
 
 
 # ---- the types, as the kernels see them

@@ -1,0 +1,116 @@
+"""I-quants: weights are indices into a fixed non-uniform grid of levels, scaled per block.
+
+Layouts (little-endian, from ggml-common.h / gguf-py quants.py):
+
+    IQ4_NL   18 B per 32: d f16 | qs[16] 4-bit          w = d * KVALUES_IQ4NL[q]
+    IQ4_XS  136 B per 256: d f16 | scales_h u16 | scales_l[4] | qs[128] 4-bit
+                            w = d * (ls - 32) * KVALUES_IQ4NL[q] per 32 weights, ls 6 bits:
+                            low 4 in nibble j % 2 of scales_l[j // 2], high 2 at bit 2j of scales_h
+
+In a 32-weight block (IQ4_NL) or sub-block j (IQ4_XS, bytes qs[16j:16j + 16]), weight i < 16
+is the low nibble of byte i and weight 16 + i its high nibble, as in Q4_0.
+
+The row dequantizers mirror gguf-py's float32 operation order (IQ4_XS: (d * (ls - 32)) * level),
+so they are bit-exact. The matvec kernels (the float path, for CPUs without the integer kernels
+of intdot.py) accumulate into 32 lanes per row as legacy.py does, looking the levels up in a
+float32 table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .float import check_shapes, hide_constant, load_f16
+
+QK_K = 256
+
+# ggml's kvalues_iq4nl: the 16 levels of a 4-bit index, a non-uniform int8 grid
+KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+_LEVELS = np.array(KVALUES_IQ4NL, np.float32)  # a constant array in the compiled code
+
+
+# ---- IQ4_NL ----
+
+
+@njit
+def dequantize_row_iq4_nl(row, out):
+    """IQ4_NL row uint8[n_cols // 32 * 18] -> out float32[n_cols]."""
+    n16 = hide_constant(16)  # keeps the loop below vectorizable
+    for b in range(out.shape[0] // 32):
+        o, e = b * 18, b * 32
+        d = load_f16(row, o)
+        for i in range(n16):
+            q = row[o + 2 + i]
+            out[e + i] = d * _LEVELS[q & 15]
+            out[e + i + 16] = d * _LEVELS[q >> 4]
+
+
+@njit(parallel=True, cache=True)
+def matvec_iq4_nl(w, x, out):
+    """out[n_rows] = dequant(w)[n_rows, n_cols] @ x[n_cols]."""
+    check_shapes(w, x, out, 32, 18)
+    n_rows, row_bytes = w.shape
+    for r in prange(n_rows):
+        wr = w[r]
+        acc = np.empty(32, np.float32)  # hoisted out of the loop by Numba: one per thread
+        acc[:] = 0.0
+        for b in range(row_bytes // 18):
+            o, e = b * 18, b * 32
+            d = load_f16(wr, o)
+            for i in range(16):
+                q = wr[o + 2 + i]
+                acc[i] += d * _LEVELS[q & 15] * x[e + i]
+                acc[i + 16] += d * _LEVELS[q >> 4] * x[e + i + 16]
+        out[r] = acc.sum()
+
+
+# ---- IQ4_XS: 8 sub-blocks of 32 with 6-bit scales ----
+
+
+@njit(cache=True)
+def _iq4_xs_scale(row, o, j):
+    """The signed scale ls - 32 of sub-block j of the block at row[o]."""
+    low = (np.int32(row[o + 4 + (j >> 1)]) >> (4 * (j & 1))) & 15
+    scales_h = np.int32(row[o + 2]) | (np.int32(row[o + 3]) << 8)
+    return (low | (((scales_h >> (2 * j)) & 3) << 4)) - 32
+
+
+@njit
+def dequantize_row_iq4_xs(row, out):
+    """IQ4_XS row uint8[n_cols // 256 * 136] -> out float32[n_cols]."""
+    n16 = hide_constant(16)  # keeps the loop below vectorizable
+    for b in range(out.shape[0] // QK_K):
+        o = b * 136
+        d = load_f16(row, o)
+        for j in range(8):
+            dl = d * np.float32(_iq4_xs_scale(row, o, j))
+            q_at = o + 8 + 16 * j
+            e = b * QK_K + 32 * j
+            for i in range(n16):
+                q = row[q_at + i]
+                out[e + i] = dl * _LEVELS[q & 15]
+                out[e + i + 16] = dl * _LEVELS[q >> 4]
+
+
+@njit(parallel=True, cache=True)
+def matvec_iq4_xs(w, x, out):
+    """out[n_rows] = dequant(w)[n_rows, n_cols] @ x[n_cols]."""
+    check_shapes(w, x, out, QK_K, 136)
+    n_rows, row_bytes = w.shape
+    for r in prange(n_rows):
+        wr = w[r]
+        acc = np.empty(32, np.float32)  # hoisted: one per thread
+        acc[:] = 0.0
+        for b in range(row_bytes // 136):
+            o = b * 136
+            d = load_f16(wr, o)
+            for j in range(8):
+                dl = d * np.float32(_iq4_xs_scale(wr, o, j))
+                q_at = o + 8 + 16 * j
+                e = b * QK_K + 32 * j
+                for i in range(16):
+                    q = wr[q_at + i]
+                    acc[i] += dl * _LEVELS[q & 15] * x[e + i]
+                    acc[i + 16] += dl * _LEVELS[q >> 4] * x[e + i + 16]
+        out[r] = acc.sum()
