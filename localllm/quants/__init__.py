@@ -94,7 +94,7 @@ QUANT_TYPES: dict[int, QuantType] = {
         _record(14, "Q6_K", 256, 210, Q8_K, kquants, intdot._q6_k),
         _record(20, "IQ4_NL", 32, 18, Q8_0, iquants, intdot._iq4_nl, cuda=False),
         _record(23, "IQ4_XS", 256, 136, Q8_K, iquants, intdot._iq4_xs, cuda=False),
-        _record(39, "MXFP4", 32, 17, Q8_0, mxfp4, cuda=False),
+        _record(39, "MXFP4", 32, 17, Q8_0, mxfp4, intdot._mxfp4, cuda=False),
     )
 }
 

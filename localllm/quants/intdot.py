@@ -619,16 +619,17 @@ def _q3_k(e, blk, c0):
 # ---- i-quants: 4-bit indices into ggml's non-uniform grid kvalues_iq4nl
 
 
-def _iq4_levels(e, packed):
+def _iq4_levels(e, packed, grid=KVALUES_IQ4NL):
     """(u, offset) of 32 weights from 16 bytes of 4-bit indices (low nibbles, then high): the
-    int8 levels looked up with vpshufb, which indexes each 128-bit half of the table separately,
-    so the 16 levels sit in both halves. For vpdpbusd the table holds the levels + 128 (unsigned,
-    128 subtracted through the lane sums); AVX2 takes the int8 levels with ggml's sign trick."""
+    int8 levels of `grid` looked up with vpshufb, which indexes each 128-bit half of the table
+    separately, so the 16 levels sit in both halves. For vpdpbusd the table holds the levels
+    + 128 (unsigned, 128 subtracted through the lane sums); AVX2 takes the int8 levels with
+    ggml's sign trick."""
     lo, hi = e.nibbles(packed)
     if INSTRUCTION_SET == "vnni":
-        levels, offset = [v + 128 for v in KVALUES_IQ4NL], 128
+        levels, offset = [v + 128 for v in grid], 128
     else:
-        levels, offset = list(KVALUES_IQ4NL), SIGNED
+        levels, offset = list(grid), SIGNED
     table = ir.Constant(_V32I8, [v if v < 128 else v - 256 for v in levels * 2])
     return e.lookup(table, e.concat(lo, hi)), offset
 
@@ -647,6 +648,43 @@ def _iq4_nl(e, blk, c, count=1):
 
 
 _iq4_nl.grouped = True
+
+
+# MXFP4: the e2m1 grid doubled (as int8), and the E8M0 exponent halved as the scale
+KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def _e8m0_half(e, exponent):
+    """float 2^(exponent - 128) from i32 bytes (or <8 x i32>), as ggml_e8m0_to_fp32_half builds
+    its bits: 0x00200000 << e below 2 (subnormals), else (e - 1) << 23."""
+    b, kind = e.b, exponent.type
+
+    def const(v):
+        return ir.Constant(_I32, v) if kind == _I32 else _splat(_V8I32, v)
+
+    small = b.shl(const(0x00200000), exponent)
+    normal = b.shl(b.sub(exponent, const(1)), const(23))
+    below = b.icmp_unsigned("<", exponent, const(2))
+    return b.bitcast(b.select(below, small, normal), _F32 if kind == _I32 else _V8F32)
+
+
+def _mxfp4(e, blk, c, count=1):
+    """e u8 | qs[16]: w = 2^(e - 128) * grid[q], as IQ4_NL with the MXFP4 grid and an E8M0
+    scale (ggml's vec_dot_mxfp4_q8_0). One block or a group of 8 (see GroupEnd), whose 8
+    scales are made in one vector."""
+    if count == 1:
+        u, offset = _iq4_levels(e, e.load(blk, 1, _V16I8), KVALUES_MXFP4)
+        yield c, u, offset, _e8m0_half(e, e.byte(blk, 0)), None
+        return
+    exponents = ir.Constant(_V8I32, None)
+    for k in range(count):
+        u, offset = _iq4_levels(e, e.load(blk, 17 * k + 1, _V16I8), KVALUES_MXFP4)
+        yield e.chunk_index(c, k), u, offset, PER_BLOCK, None
+        exponents = e.b.insert_element(exponents, e.byte(blk, 17 * k), ir.Constant(_I32, k))
+    yield GroupEnd(c, _e8m0_half(e, exponents))
+
+
+_mxfp4.grouped = True
 
 
 def _iq4_xs(e, blk, c0):
