@@ -3,7 +3,8 @@
 Such a model writes `<think>...</think>` before its answer (or starts inside it, when the chat
 template ends the prompt with `<think>`). `ThinkingSplitter` cuts a stream of text into
 ("thinking", text) and ("content", text) pieces as it arrives, holding back only what could be
-the start of a tag. Whether a model thinks is read from its chat template, and `--think` /
+the start of a tag; a reply in OpenAI's harmony channels (gpt-oss) goes through harmony.py's
+splitter instead. Whether a model thinks is read from its chat template, and `--think` /
 `--no-think` reach the template as `enable_thinking`, as Ollama's `think` does for Qwen3.
 """
 
@@ -11,13 +12,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from localllm.harmony import HarmonySplitter, is_harmony, starts_harmony
+
 OPEN, CLOSE = "<think>", "</think>"
 THINKING, CONTENT = "thinking", "content"
 
 
 def template_thinks(template_source: str) -> bool:
-    """Whether a chat template is a thinking model's (it writes or switches the think tags)."""
-    return OPEN in template_source or "enable_thinking" in template_source
+    """Whether a chat template is a thinking model's (it writes or switches the think tags, or
+    writes harmony's channels: gpt-oss)."""
+    return (
+        OPEN in template_source
+        or "enable_thinking" in template_source
+        or is_harmony(template_source)
+    )
 
 
 def prompt_opens_thinking(tokenizer, prompt_ids: Sequence[int]) -> bool:
@@ -35,11 +43,20 @@ class ThinkingSplitter:
         self.done = False  # the think block has closed (or content came first)
         self._held = ""
         self._strip = False  # drop whitespace that starts the content after </think>
+        self._harmony: HarmonySplitter | None = None  # a harmony reply (gpt-oss), once seen
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         """The pieces of `text` that are certain; a possible partial tag is held back."""
+        if self._harmony is not None:
+            return self._harmony.feed(text)
         text = self._held + text
         self._held = ""
+        if not self.done and not self.inside and starts_harmony(text):
+            if text.lstrip().startswith(("<|channel|>", "<|start|>")):  # channels, not tags
+                self._harmony = HarmonySplitter()
+                return self._harmony.feed(text)
+            self._held = text  # maybe the start of a channel header
+            return []
         pieces: list[tuple[str, str]] = []
         while text:
             if self.done:
@@ -77,6 +94,8 @@ class ThinkingSplitter:
 
     def flush(self) -> list[tuple[str, str]]:
         """What is held back, at the end of the stream."""
+        if self._harmony is not None:
+            return self._harmony.flush()
         held, self._held = self._held, ""
         if not held:
             return []

@@ -63,6 +63,9 @@ _EOG_TEXTS = frozenset(
         "[e~[",
     }
 )
+# Control tokens llama.cpp always renders in output ("quick hack for gpt-oss"): the harmony
+# format's structure, which its reply parser reads (harmony.py).
+ALWAYS_RENDERED = frozenset({"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"})
 # Tokens llama.cpp finds by text when the metadata key does not name them, as
 # (metadata key, candidate texts, ends generation). Found ones are typed CONTROL; FIM
 # pad/repo/file-separator tokens end a generation, FIM prefix/suffix/middle do not.
@@ -414,6 +417,8 @@ class Tokenizer:
         ordered = sorted(
             (int(i) for i in special_ids), key=lambda i: (-len(tokens[i].encode("utf-8")), i)
         )
+        # control tokens that output still shows: harmony's structure (see ALWAYS_RENDERED)
+        self._rendered = frozenset(i for i in ordered if tokens[i] in ALWAYS_RENDERED)
         # first character -> [(rank, id, text, user-defined)], so a text is only checked
         # against the specials that could occur in it
         self._specials_by_char: dict[str, list[tuple[int, int, str, bool]]] = {}
@@ -587,7 +592,8 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         """True for control (and unknown) tokens, which normal output does not render."""
         self._check_id(token_id)
-        return int(self._types[token_id]) in (TOKEN_CONTROL, TOKEN_UNKNOWN)
+        kind = int(self._types[token_id])
+        return kind in (TOKEN_CONTROL, TOKEN_UNKNOWN) and token_id not in self._rendered
 
     def _check_id(self, token_id: int) -> None:
         if not 0 <= token_id < self.vocab_size:

@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from localllm import harmony
 from localllm.errors import LocalLLMError
 
 
@@ -38,7 +39,9 @@ class ToolCall:
 
 
 def family(template_source: str) -> str | None:
-    """ "hermes", "llama3", "mistral", or None when the template does not take tools."""
+    """ "hermes", "llama3", "mistral", "harmony", or None when the template takes no tools."""
+    if harmony.is_harmony(template_source):
+        return "harmony"
     if "<tool_call>" in template_source:
         return "hermes"
     if "[TOOL_CALLS]" in template_source:
@@ -94,6 +97,11 @@ def parse(text: str, kind: str | None) -> tuple[str, list[ToolCall]]:
         items = items if isinstance(items, list) else [items]
         calls = [_call(json.dumps(item)) for item in items if isinstance(item, dict)]
         return content.strip(), [c for c in calls if c is not None]
+    if kind == "harmony":  # calls as harmony.HarmonySplitter passes them on
+        content, found = harmony.calls(text)
+        return content, [
+            ToolCall(name, arguments, f"call_{uuid.uuid4().hex[:24]}") for name, arguments in found
+        ]
     if kind == "llama3":
         body = text.strip().removeprefix("<|python_tag|>").strip()
         if body.startswith("{"):
@@ -136,6 +144,8 @@ def _call(body: str) -> ToolCall | None:
 
 def could_start_call(text: str, kind: str | None) -> bool:
     """Whether a streamed reply may still turn into a tool call (so it is held back)."""
+    if kind == "harmony":
+        return harmony.starts_harmony(text) or not text.strip()
     if kind == "hermes":
         stripped = text.lstrip()
         fence = "```json"

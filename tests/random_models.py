@@ -116,6 +116,7 @@ class Case:
     router_gain: float = 2.0
     prompt_lengths: tuple[int, ...] = (24, 90)
     tokenize_text: str = ""  # the sentence llama.cpp tokenizes (default: the script's)
+    chat_template: str = ""  # tokenizer.chat_template, where the case has one
     qk_gain: float = 1.5  # q and k projections: output rms / input rms
     qk_norm_gain: float = 1.6  # qwen3: the per-head norm weights (score scale after QK-norm)
     # Small token embeddings (a residual stream that is mostly the last token's own embedding
@@ -357,6 +358,7 @@ CASES: dict[str, Case] = {
             types={"embd": "F16", "output": "F16", "attn": "F16", "ffn": "F16", "experts": "MXFP4"},
             prompt_lengths=(30, 100),
             tokenize_text="The Model's layer WAS rotated 12345 times!\n\nIt's the position/token.",
+            chat_template="HARMONY",
         ),
     )
 }
@@ -670,6 +672,9 @@ def write_case(case: Case, path: str | Path, drop: tuple[str, ...] = ()) -> None
     if c.sliding_window is not None:
         writer.add_sliding_window(c.sliding_window)
     _write_vocabulary(writer, c.tokenizer, vocab)
+    if c.chat_template:
+        harmony = c.chat_template == "HARMONY"
+        writer.add_chat_template(HARMONY_TEMPLATE if harmony else c.chat_template)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for name, (type_name, array) in tensors.items():
         if name in drop:
@@ -686,6 +691,37 @@ def write_case(case: Case, path: str | Path, drop: tuple[str, ...] = ()) -> None
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# A harmony chat template of this project's own, in the shape of gpt-oss's (system and developer
+# messages, tools as a TypeScript-like namespace, assistant messages on the final channel, calls
+# on commentary to=functions.NAME, tool results from functions.NAME), ending an assistant turn
+# with <|start|>assistant as the real one does.
+HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>You are a helpful assistant.\nReasoning: "
+    "{{ reasoning_effort | default('medium') }}\n\n# Valid channels: analysis, commentary, "
+    "final. Channel must be included for every message.<|end|>"
+    "{%- if tools %}<|start|>developer<|message|># Tools\n\n## functions\n\n"
+    "namespace functions {\n"
+    "{% for tool in tools %}{% set f = tool.function if tool.function is defined else tool %}"
+    "\n// {{ f.description | default('') }}\ntype {{ f.name }} = (_: "
+    "{{ f.parameters | tojson }}) => any;\n{% endfor %}\n} // namespace functions<|end|>"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'system' or m.role == 'developer' %}"
+    "<|start|>developer<|message|># Instructions\n\n{{ m.content }}<|end|>"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}"
+    "{%- for call in m.tool_calls %}{%- set f = call.function if call.function is defined "
+    "else call %}<|start|>assistant to=functions.{{ f.name }}<|channel|>commentary json"
+    "<|message|>{{ f.arguments | tojson }}<|call|>{%- endfor %}"
+    "{%- elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>"
+    "{{ m.content }}<|end|>"
+    "{%- elif m.role == 'tool' %}<|start|>functions.{{ m.name | default('tool') }} "
+    "to=assistant<|channel|>commentary<|message|>{{ m.content }}<|end|>"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
+)
 
 
 def _write_vocabulary(writer: gguf.GGUFWriter, tokenizer: str, vocab: Vocabulary) -> None:
