@@ -78,6 +78,10 @@ class Backend(Protocol):
 
     def rmsnorm(self, x: Array, weight: Array, eps: float, out: Array) -> Array: ...
 
+    def layernorm(self, x: Array, weight: Array, bias: Array, eps: float, out: Array) -> Array:
+        """LayerNorm of each row of x: float32[n_tokens, dim] with weight and bias (encoders)."""
+        ...
+
     def rmsnorm_heads(self, x: Array, weight: Array, eps: float) -> None:
         """RMSNorm of each head in place, x: float32[n_tokens, n_heads, head_dim] (QK-norm)."""
         ...
@@ -106,9 +110,12 @@ class Backend(Protocol):
         scale: float,
         softcap: float,
         out: Array,
+        causal: bool = True,
     ) -> Array:
         """Causal GQA attention of q: float32[n_tokens, n_heads, head_dim] over the cache;
-        softcap > 0 caps the scaled scores at softcap * tanh(score / softcap) (Gemma 2)."""
+        softcap > 0 caps the scaled scores at softcap * tanh(score / softcap) (Gemma 2). Not
+        causal: each token over all start_pos + n_tokens keys (encoders, whose K and V are
+        float32[n_tokens, n_kv_heads, head_dim] scratch rather than a cache)."""
         ...
 
     def add_bias(self, x: Array, bias: Array) -> None: ...
@@ -118,6 +125,10 @@ class Backend(Protocol):
     def silu_mul(self, gate: Array, up: Array) -> None: ...
 
     def gelu_mul(self, gate: Array, up: Array) -> None: ...
+
+    def gelu(self, x: Array) -> None:
+        """x = gelu_tanh(x) in place (the encoders' GELU MLP)."""
+        ...
 
     def scale(self, x: Array, factor: float) -> None: ...
 
@@ -293,6 +304,12 @@ class CPUBackend:
         ops.rmsnorm(x, weight, np.float32(eps), out)
         return out
 
+    def layernorm(
+        self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float, out: np.ndarray
+    ) -> np.ndarray:
+        ops.layernorm(x, weight, bias, np.float32(eps), out)
+        return out
+
     def rmsnorm_heads(self, x: np.ndarray, weight: np.ndarray, eps: float) -> None:
         ops.rmsnorm_heads(x, weight, np.float32(eps))
 
@@ -310,10 +327,14 @@ class CPUBackend:
         """(cos, sin): float32[n_tokens, rope_dim // 2] each, for int64 positions."""
         return ops.rope_tables(positions, rope_dim, theta_base, scaling, freq_factors)
 
-    def attention(self, q, k_cache, v_cache, start_pos, window, scale, softcap, out) -> np.ndarray:
-        """With llama_cpp_rounding, q (overwritten) and the softmax probabilities are rounded to
-        half, as llama.cpp's matrix products with its f16 KV cache round them."""
-        f16 = self.llama_cpp_rounding
+    def attention(
+        self, q, k_cache, v_cache, start_pos, window, scale, softcap, out, causal=True
+    ) -> np.ndarray:
+        """With an f16 KV cache (llama_cpp_rounding), q (overwritten) and the softmax
+        probabilities are rounded to half, as llama.cpp's matrix products with its f16 KV cache
+        round them; float32 K and V (an encoder's, or the exact mode's cache) round nothing, as
+        llama.cpp's products with float32 K and V do not."""
+        f16 = self.llama_cpp_rounding and k_cache.dtype == np.uint16
         if f16:
             q[...] = q.astype(np.float16)
         n_tokens, n_heads, head_dim = q.shape
@@ -322,8 +343,9 @@ class CPUBackend:
         scores, row = self._attention_scratch(per_job, n_ctx, head_dim)
         scale, softcap = np.float32(scale), np.float32(softcap)
         ops.attention(
-            q, k_cache, v_cache, start_pos, window, scale, softcap, f16, per_job, scores, row, out
-        )
+            q, k_cache, v_cache, start_pos, window, scale, softcap, f16, per_job, scores, row, out,
+            bool(causal),
+        )  # fmt: skip
         return out
 
     def _attention_scratch(self, heads: int, n_ctx: int, head_dim: int) -> tuple:
@@ -354,6 +376,12 @@ class CPUBackend:
             kernel(gate, up, ops.GELU_TABLE)
         else:
             ops.gelu_tanh_mul_exact(gate, up)
+
+    def gelu(self, x: np.ndarray) -> None:
+        if self.llama_cpp_rounding:  # ggml's half-precision table
+            ops.gelu_tanh_rows(x, ops.GELU_TABLE)
+        else:
+            ops.gelu_tanh_exact(x)
 
     def scale(self, x: np.ndarray, factor: float) -> None:
         x *= np.float32(factor)

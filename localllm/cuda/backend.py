@@ -160,6 +160,12 @@ class CUDABackend:
         )
         return out
 
+    def layernorm(self, x, weight, bias, eps: float, out):
+        kernels.layernorm[x.shape[0], self.threads, 0, 4 * self.threads](
+            x, weight, bias, np.float32(eps), out
+        )
+        return out
+
     def rmsnorm_heads(self, x, weight, eps: float) -> None:
         """QK-norm: RMSNorm of each head in place. x: float32[n_tokens, n_heads, head_dim]."""
         n_tokens, n_heads, head_dim = x.shape
@@ -187,9 +193,18 @@ class CUDABackend:
         return cuda.to_device(cos), cuda.to_device(sin)
 
     def attention(
-        self, q, k_cache, v_cache, start_pos: int, window: int, scale: float, softcap: float, out
+        self,
+        q,
+        k_cache,
+        v_cache,
+        start_pos: int,
+        window: int,
+        scale: float,
+        softcap: float,
+        out,
+        causal: bool = True,
     ):
-        """Causal GQA attention over the cache; see kernels.attention."""
+        """Causal (or, for an encoder, bidirectional) GQA attention; see kernels.attention."""
         n_tokens, n_heads, _ = q.shape
         n_jobs, n_keys = n_tokens * n_heads, start_pos + n_tokens
         if self._scores is None or self._scores.shape[0] < n_jobs or self._scores.shape[1] < n_keys:
@@ -207,6 +222,7 @@ class CUDABackend:
             np.float32(softcap),
             self._scores,
             out,
+            bool(causal),
         )
         return out
 
@@ -224,6 +240,9 @@ class CUDABackend:
 
     def gelu_mul(self, gate, up) -> None:
         self._elementwise(kernels.gelu_mul, gate, up)
+
+    def gelu(self, x) -> None:
+        self._elementwise(kernels.gelu, x)
 
     def scale(self, x, factor: float) -> None:
         self._elementwise(kernels.scale, x, np.float32(factor))
