@@ -34,9 +34,7 @@ def embed_ids(model: Model, ids: Sequence[int], normalize: bool = True) -> np.nd
         raise LocalLLMError(
             f"the input is {len(ids)} tokens, more than the context of {model.n_ctx}"
         )
-    transformer = model.transformer
-    cache = transformer.new_cache()
-    states = transformer.forward(list(ids), 0, cache=cache, hidden=True)  # [n_tokens, dim]
+    states = model.transformer.hidden_states(list(ids))  # [n_tokens, dim]
     kind = pooling(model)
     if kind == "mean":
         vector = states.astype(np.float64).mean(axis=0)

@@ -113,7 +113,7 @@ class LoadedModel:
             n_params=sum(math.prod(t.shape) for t in model.gguf.tensors.values()),
             quant=detect_quant(model.path),
             n_ctx=model.n_ctx,
-            nbytes=model.gguf.file_size + transformer.cache.nbytes,
+            nbytes=model.gguf.file_size + transformer.kv_nbytes,
             device=getattr(transformer.backend, "name", "cpu"),
         )
 
@@ -460,6 +460,11 @@ async def _prepare(
     state.engine.check_room()
     sampler, processors = _sampling(req)
     model = await state.pool.load(served)
+    if model.embedding_only:
+        try:
+            model.check_generates()
+        except LocalLLMError as e:
+            raise bad_request(str(e), param="model") from None
     try:
         prompt_ids = await asyncio.to_thread(build_ids, model)
     except LocalLLMError as e:  # e.g. the chat template rejected the conversation

@@ -471,7 +471,9 @@ def _describe(served) -> dict[str, Any]:
         "parameter_size": format_count(info["parameters"]),
         "quantization_level": info["quantization"] or "",
     }
-    capabilities = ["completion"]
+    from localllm.models import EMBEDDING_ARCHITECTURES
+
+    capabilities = ["embedding"] if arch in EMBEDDING_ARCHITECTURES else ["completion"]
     if template_thinks(info["chat_template"] or ""):
         capabilities.append("thinking")
     model_info = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in metadata.items()}

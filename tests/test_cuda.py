@@ -451,6 +451,27 @@ def test_cuda_runs_each_architecture_as_the_cpu_does(name):
     np.testing.assert_allclose(cuda, cpu, rtol=1e-4, atol=1e-5 * np.abs(cpu).max())
 
 
+@pytest.mark.slow
+@needs_cuda
+@pytest.mark.parametrize("name", ["bert", "nomic-bert"])
+def test_cuda_runs_each_encoder_as_the_cpu_does(name):
+    """The embedding encoders (LayerNorm, GELU, bidirectional attention, RoPE for nomic-bert):
+    the hidden states of one input on CUDA against the CPU backend in float32."""
+    from localllm.models.encoder import Encoder
+
+    path = ARCH_FIXTURES / f"{name}.gguf"
+    states = {}
+    gpu = backend(lanes=1, threads=4) if SIMULATED else backend()
+    for label, b in (("cpu", CPUBackend(llama_cpp_rounding=False)), ("cuda", gpu)):
+        file = read_gguf(path)
+        config = model_config(file.metadata, len(file.metadata["tokenizer.ggml.tokens"]))
+        states[label] = Encoder(file, config, b, n_ctx=8).hidden_states([2, 17, 63, 40, 3])
+        file.close()
+    cpu, cuda = states["cpu"], states["cuda"]
+    assert cpu.shape == (5, 64) and cpu.std() > 0.5
+    np.testing.assert_allclose(cuda, cpu, rtol=1e-4, atol=1e-4)
+
+
 # ---- device selection ----
 
 
