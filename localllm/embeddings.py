@@ -4,7 +4,8 @@ Pooling follows the file's `{arch}.pooling_type` (llama.cpp's enum: 1 mean, 2 cl
 token, 3 last); a model without one (a chat model, not an embedding model) is pooled at its last
 token, which is what a causal model's last position has seen of the whole text. Vectors are
 L2-normalized, as Ollama's /api/embed and llama-server's embeddings return them. Each text runs
-in a KV cache of its own, so nothing of one text leaks into another or into a chat.
+in a KV cache of its own, so nothing of one text leaks into another or into a chat; an embedding
+model's (bert, nomic-bert) in one bidirectional pass of its encoder (models/encoder.py).
 """
 
 from __future__ import annotations
