@@ -68,6 +68,7 @@ class Case:
     rope_theta: float = 1000.0  # nomic-bert only
     norm_eps: float = 1e-12
     n_token_types: int = 2
+    matrix_type: str = "F16"  # the 2-D weights' GGML type (norms, biases, token types: F32)
 
 
 CASES: dict[str, Case] = {
@@ -84,12 +85,14 @@ CASES: dict[str, Case] = {
         Case(
             "bert-cls",
             "bert",
-            "bge-base style BERT pooled at [CLS] (pooling_type 2), 6 heads of 16 on a 96 embedding",
+            "bge-base style BERT pooled at [CLS] (pooling_type 2), 6 heads of 16 on a 96 "
+            "embedding, Q8_0 matrices (embeddings included), as the common Q8_0 files have them",
             seed=102,
             dim=96,
             n_heads=6,
             ffn_dim=192,
             pooling=2,
+            matrix_type="Q8_0",
         ),
         Case(
             "nomic-bert",
@@ -137,13 +140,14 @@ def _weights(case: Case, rng: np.random.Generator) -> dict[str, tuple[str, np.nd
     def vector(n, spread=0.1, center=0.0):
         return (center + rng.standard_normal(n) * spread).astype(np.float32)
 
+    kind = c.matrix_type
     tensors = {
-        "token_embd.weight": ("F16", rng.standard_normal((n_vocab, c.dim)).astype(np.float32)),
+        "token_embd.weight": (kind, rng.standard_normal((n_vocab, c.dim)).astype(np.float32)),
         "token_types.weight": ("F32", vector(c.n_token_types * c.dim, 0.5).reshape(-1, c.dim)),
     }
     if c.arch == "bert":
         positions = rng.standard_normal((c.context_length, c.dim)) * 0.5
-        tensors["position_embd.weight"] = ("F16", positions.astype(np.float32))
+        tensors["position_embd.weight"] = (kind, positions.astype(np.float32))
     tensors["token_embd_norm.weight"] = ("F32", vector(c.dim, 0.1, 1.0))
     tensors["token_embd_norm.bias"] = ("F32", vector(c.dim))
     biases = c.arch == "bert"
@@ -152,21 +156,21 @@ def _weights(case: Case, rng: np.random.Generator) -> dict[str, tuple[str, np.nd
         q, k, v = matrix(c.dim, c.dim, 2.0), matrix(c.dim, c.dim, 2.0), matrix(c.dim, c.dim)
         if c.arch == "bert":
             for name, w in (("q", q), ("k", k), ("v", v)):
-                tensors[p + f"attn_{name}.weight"] = ("F16", w)
+                tensors[p + f"attn_{name}.weight"] = (kind, w)
                 tensors[p + f"attn_{name}.bias"] = ("F32", vector(c.dim, 0.2))
         else:
-            tensors[p + "attn_qkv.weight"] = ("F16", np.concatenate([q, k, v]))
-        tensors[p + "attn_output.weight"] = ("F16", matrix(c.dim, c.dim))
+            tensors[p + "attn_qkv.weight"] = (kind, np.concatenate([q, k, v]))
+        tensors[p + "attn_output.weight"] = (kind, matrix(c.dim, c.dim))
         if biases:
             tensors[p + "attn_output.bias"] = ("F32", vector(c.dim))
         tensors[p + "attn_output_norm.weight"] = ("F32", vector(c.dim, 0.1, 1.0))
         tensors[p + "attn_output_norm.bias"] = ("F32", vector(c.dim))
-        tensors[p + "ffn_up.weight"] = ("F16", matrix(c.ffn_dim, c.dim, 2.0))
+        tensors[p + "ffn_up.weight"] = (kind, matrix(c.ffn_dim, c.dim, 2.0))
         if biases:
             tensors[p + "ffn_up.bias"] = ("F32", vector(c.ffn_dim, 0.3))
         else:
-            tensors[p + "ffn_gate.weight"] = ("F16", matrix(c.ffn_dim, c.dim, 2.0))
-        tensors[p + "ffn_down.weight"] = ("F16", matrix(c.dim, c.ffn_dim))
+            tensors[p + "ffn_gate.weight"] = (kind, matrix(c.ffn_dim, c.dim, 2.0))
+        tensors[p + "ffn_down.weight"] = (kind, matrix(c.dim, c.ffn_dim))
         if biases:
             tensors[p + "ffn_down.bias"] = ("F32", vector(c.dim))
         tensors[p + "layer_output_norm.weight"] = ("F32", vector(c.dim, 0.1, 1.0))
@@ -192,7 +196,7 @@ def write_case(case: Case, path: str | Path, drop: tuple[str, ...] = ()) -> None
     writer.add_feed_forward_length(c.ffn_dim)
     writer.add_head_count(c.n_heads)
     writer.add_layer_norm_eps(c.norm_eps)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{c.matrix_type}"])
     writer.add_causal_attention(False)
     writer.add_pooling_type(gguf.PoolingType(c.pooling))
     if c.arch == "nomic-bert":
@@ -215,7 +219,13 @@ def write_case(case: Case, path: str | Path, drop: tuple[str, ...] = ()) -> None
     for name, (type_name, array) in tensors.items():
         if name in drop:
             continue
-        writer.add_tensor(name, array.astype(np.float16) if type_name == "F16" else array)
+        if type_name == "F32":
+            writer.add_tensor(name, array)
+        elif type_name == "F16":
+            writer.add_tensor(name, array.astype(np.float16))
+        else:
+            qtype = gguf.GGMLQuantizationType[type_name]
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -236,4 +246,5 @@ def metadata_summary(case: Case) -> dict[str, Any]:
             "context_length": case.context_length,
         },
         "pooling_type": case.pooling,
+        "matrix_type": case.matrix_type,
     }
