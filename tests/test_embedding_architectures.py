@@ -37,7 +37,7 @@ CASE_NAMES = sorted(random_encoders.CASES)
 # activations quantized to Q8_0, as ggml does both; integer and float kernels alike): cosine at
 # least 0.99999995, raw vectors (norms of 2-10) within 3e-4, the normalized ones within 1e-4.
 # The bounds leave room for rounding flips, not for a missing piece (see
-# test_particulars_are_what_matches: those miss by 0.001 of cosine or more).
+# test_particulars_are_what_matches: those miss by 0.03 of cosine or more).
 MIN_COSINE = 0.99999
 RAW_TOL = 1e-2
 NORMALIZED_TOL = 2e-3
@@ -171,8 +171,8 @@ VARIANTS = {
     [(name, variant) for name, variants in VARIANTS.items() for variant in variants],
 )
 def test_particulars_are_what_matches(name, variant):
-    """Each particular dropped: the vectors of llama.cpp are then far off (cosine < 0.999 on
-    the longest text), so the tests above would catch an encoder that lacked it."""
+    """Each particular dropped: the vectors of llama.cpp are then far off (measured cosines of
+    0.53-0.97 on the longest text), so the tests above would catch an encoder that lacked it."""
     change_config, change_encoder, backend_class = VARIANTS[name][variant]
     ref = reference(name)
     expected = max(ref["texts"], key=lambda t: len(t["ids"]))
@@ -183,7 +183,7 @@ def test_particulars_are_what_matches(name, variant):
         if change_encoder is not None:
             change_encoder(model.transformer)
         ours = embed_ids(model, expected["ids"], normalize=False)
-        assert cosine(ours, expected["embedding"]) < 0.999
+        assert cosine(ours, expected["embedding"]) < 0.99
     finally:
         model.close()
 
