@@ -49,6 +49,18 @@ TEXTS = (
     "Café naïve   text\twith\nwhitespace, 東京 and 🙂 unknowns; xyzzy",
     "it",
 )
+# More tokenization only (their embeddings would say nothing more): special-token texts, read
+# as text and (parse_special) as the tokens, full-width and compatibility characters, NBSP and
+# ideographic spaces, NUL, BEL and a BOM (dropped), Greek with a iota subscript.
+TOKENIZE_TEXTS = (
+    "[CLS] the [SEP] model [MASK]",
+    "x[UNK]y",
+    "ＡＢＣ ｔｈｅ",
+    "the\u00a0model\u3000text",
+    'TOKEN\'s "layer" — ok',
+    "\x00a\x07b\ufeffc",
+    "ῼ Ǆ ǅ Ⅻ ① ²",
+)
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,19 @@ def test_token_ids_match_llama_cpp(case):
         assert model.tokenizer.encode(text, add_special=False) == expected["ids_no_special"], text
 
 
+def test_tokenizer_edge_cases_match_llama_cpp(case):
+    """Special-token texts (as text, and parsed), full-width, compatibility and invisible
+    characters, unusual spaces: llama.cpp's ids."""
+    ref, model = case
+    assert [t["text"] for t in ref["tokenize"]] == list(random_encoders.TOKENIZE_TEXTS)
+    tokenizer = model.tokenizer
+    for expected in ref["tokenize"]:
+        text = expected["text"]
+        assert tokenizer.encode(text) == expected["ids"], text
+        assert tokenizer.encode(text, add_special=False) == expected["ids_no_special"], text
+        assert tokenizer.encode(text, parse_special=True) == expected["ids_parse_special"], text
+
+
 def test_embeddings_match_llama_cpp(case):
     """The raw pooled vectors of llama.cpp's embed(normalize=False), from llama.cpp's ids."""
     ref, model = case
