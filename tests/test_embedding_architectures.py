@@ -257,6 +257,13 @@ def test_generation_is_a_clear_error():
         model.close()
 
 
+def test_bench_says_it_is_an_embedding_model():
+    from localllm.bench import bench
+
+    with pytest.raises(LocalLLMError, match="is an embedding model"):
+        bench(FIXTURES / "bert.gguf", "bert", n_prompt=4, n_gen=2, repetitions=1, device="cpu")
+
+
 def test_run_says_it_is_an_embedding_model():
     result = CliRunner().invoke(app, ["run", str(FIXTURES / "nomic-bert.gguf"), "hello"])
     assert result.exit_code != 0
