@@ -78,6 +78,10 @@ class Backend(Protocol):
 
     def rmsnorm(self, x: Array, weight: Array, eps: float, out: Array) -> Array: ...
 
+    def layernorm(self, x: Array, weight: Array, bias: Array, eps: float, out: Array) -> Array:
+        """LayerNorm of each row of x: float32[n_tokens, dim] with weight and bias (encoders)."""
+        ...
+
     def rmsnorm_heads(self, x: Array, weight: Array, eps: float) -> None:
         """RMSNorm of each head in place, x: float32[n_tokens, n_heads, head_dim] (QK-norm)."""
         ...
@@ -107,10 +111,13 @@ class Backend(Protocol):
         softcap: float,
         out: Array,
         sinks: Array | None = None,
+        causal: bool = True,
     ) -> Array:
         """Causal GQA attention of q: float32[n_tokens, n_heads, head_dim] over the cache;
         softcap > 0 caps the scaled scores at softcap * tanh(score / softcap) (Gemma 2); sinks
-        (float32[n_heads]) add one logit per head to each softmax, weighting nothing (gpt-oss)."""
+        (float32[n_heads]) add one logit per head to each softmax, weighting nothing (gpt-oss).
+        Not causal: each token over all start_pos + n_tokens keys (encoders, whose K and V are
+        float32[n_tokens, n_kv_heads, head_dim] scratch rather than a cache)."""
         ...
 
     def add_bias(self, x: Array, bias: Array) -> None: ...
@@ -123,6 +130,10 @@ class Backend(Protocol):
 
     def swiglu_oai_mul(self, gate: Array, up: Array) -> None:
         """gate = swiglu_oai(gate, up), in place: gpt-oss's clamped SwiGLU (ops.swiglu_oai)."""
+        ...
+
+    def gelu(self, x: Array) -> None:
+        """x = gelu_tanh(x) in place (the encoders' GELU MLP)."""
         ...
 
     def scale(self, x: Array, factor: float) -> None: ...
@@ -299,6 +310,12 @@ class CPUBackend:
         ops.rmsnorm(x, weight, np.float32(eps), out)
         return out
 
+    def layernorm(
+        self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float, out: np.ndarray
+    ) -> np.ndarray:
+        ops.layernorm(x, weight, bias, np.float32(eps), out)
+        return out
+
     def rmsnorm_heads(self, x: np.ndarray, weight: np.ndarray, eps: float) -> None:
         ops.rmsnorm_heads(x, weight, np.float32(eps))
 
@@ -317,12 +334,14 @@ class CPUBackend:
         return ops.rope_tables(positions, rope_dim, theta_base, scaling, freq_factors)
 
     def attention(
-        self, q, k_cache, v_cache, start_pos, window, scale, softcap, out, sinks=None
+        self, q, k_cache, v_cache, start_pos, window, scale, softcap, out, sinks=None, causal=True
     ) -> np.ndarray:
-        """With llama_cpp_rounding, q (overwritten) and the softmax probabilities are rounded to
-        half, as llama.cpp's matrix products with its f16 KV cache round them. sinks: None, or
-        float32[n_heads] sink logits (gpt-oss)."""
-        f16 = self.llama_cpp_rounding
+        """With an f16 KV cache (llama_cpp_rounding), q (overwritten) and the softmax
+        probabilities are rounded to half, as llama.cpp's matrix products with its f16 KV cache
+        round them; float32 K and V (an encoder's, or the exact mode's cache) round nothing, as
+        llama.cpp's products with float32 K and V do not. sinks: None, or float32[n_heads] sink
+        logits (gpt-oss)."""
+        f16 = self.llama_cpp_rounding and k_cache.dtype == np.uint16
         if f16:
             q[...] = q.astype(np.float16)
         n_tokens, n_heads, head_dim = q.shape
@@ -333,7 +352,7 @@ class CPUBackend:
         sinks = _NO_SINKS if sinks is None else sinks
         ops.attention(
             q, k_cache, v_cache, start_pos, window, scale, softcap, sinks, f16, per_job, scores,
-            row, out,
+            row, out, bool(causal),
         )  # fmt: skip
         return out
 
@@ -368,6 +387,12 @@ class CPUBackend:
             kernel(gate, up, ops.GELU_TABLE)
         else:
             ops.gelu_tanh_mul_exact(gate, up)
+
+    def gelu(self, x: np.ndarray) -> None:
+        if self.llama_cpp_rounding:  # ggml's half-precision table
+            ops.gelu_tanh_rows(x, ops.GELU_TABLE)
+        else:
+            ops.gelu_tanh_exact(x)
 
     def scale(self, x: np.ndarray, factor: float) -> None:
         x *= np.float32(factor)

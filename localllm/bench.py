@@ -25,6 +25,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from localllm.errors import LocalLLMError
 from localllm.models import load_model
 
 BANDWIDTH_BYTES = 1 << 30  # read-bandwidth buffer: far beyond any cache
@@ -127,6 +128,11 @@ def bench(
     n_ctx = depth + n_prompt + n_gen + 1
     model = load_model(path, n_ctx=n_ctx, n_threads=n_threads, device=device)
     load_s = time.perf_counter() - start
+    try:
+        model.check_generates()  # an embedding model has no decode to time
+    except LocalLLMError:
+        model.close()
+        raise
     transformer = model.transformer
     cache = transformer.cache
     rng = np.random.default_rng(0)

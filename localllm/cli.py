@@ -271,6 +271,7 @@ def run(
     text = None if interactive else _prompt_text(prompt)  # before loading: fail fast
     loaded, label = open_model(model, ctx_size, threads, device, spinner=_isatty(sys.stdout))
     try:
+        loaded.check_generates()
         if interactive:
             _chat(loaded, label, system, raw, options, verbose, think, json_schema)
         else:

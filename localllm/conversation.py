@@ -58,6 +58,7 @@ class Conversation:
     ) -> None:
         if raw and system:
             raise LocalLLMError("a system prompt needs the chat template; drop --raw or --system")
+        model.check_generates()
         self.model = model
         self.system = system
         self.raw = raw

@@ -13,6 +13,10 @@ if TYPE_CHECKING:  # `show` needs neither the generator nor numpy's GGUF reader 
     from localllm.gguf import GGUFFile
 
 
+# {arch}.pooling_type values (llama.cpp's enum)
+POOLING_NAMES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+
+
 def describe_model(gguf: GGUFFile) -> dict[str, Any]:
     """What `show` prints: architecture, parameter count (from tensor shapes), context length,
     quantization, tensor types, chat template and license, all from the GGUF itself."""
@@ -32,12 +36,15 @@ def describe_model(gguf: GGUFFile) -> dict[str, Any]:
     if isinstance(template, bytes):
         template = template.decode("utf-8", errors="replace")
     if template:
-        template_name = "gguf"
+        source = "file"
+    elif metadata.get(f"{arch}.attention.causal") is False:  # an encoder: nothing to chat with
+        source, template = "none: an embedding model", ""
     else:
         from localllm.chat_template import builtin_template
 
         tokens = metadata.get("tokenizer.ggml.tokens") or []
         template_name, template = builtin_template(arch, tokens)
+        source = f"built-in {template_name}"
     return {
         "name": metadata.get("general.name"),
         "architecture": arch or None,
@@ -48,7 +55,7 @@ def describe_model(gguf: GGUFFile) -> dict[str, Any]:
         "quantization": quant,
         "tensor_types": dict(sorted(tensor_types.items(), key=lambda kv: -kv[1])),
         "chat_template": template,
-        "chat_template_source": "file" if template_name == "gguf" else f"built-in {template_name}",
+        "chat_template_source": source,
         "license": metadata.get("general.license"),
         "particulars": particulars(metadata, arch, set(gguf.tensors)),
         "file": str(gguf.path),
@@ -71,6 +78,8 @@ def particulars(metadata: dict[str, Any], arch: str, tensor_names: set[str]) -> 
         found["experts"] = f"{get('expert_count')}, {get('expert_used_count')} used per token"
         if get("expert_shared_count"):
             found["experts"] += f", {get('expert_shared_count')} shared"
+    if get("pooling_type") in POOLING_NAMES:  # an embedding model's
+        found["pooling"] = POOLING_NAMES[get("pooling_type")]
     if get("attention.sliding_window"):
         found["sliding window"] = get("attention.sliding_window")
     for key, label in (

@@ -4,7 +4,8 @@ Pooling follows the file's `{arch}.pooling_type` (llama.cpp's enum: 1 mean, 2 cl
 token, 3 last); a model without one (a chat model, not an embedding model) is pooled at its last
 token, which is what a causal model's last position has seen of the whole text. Vectors are
 L2-normalized, as Ollama's /api/embed and llama-server's embeddings return them. Each text runs
-in a KV cache of its own, so nothing of one text leaks into another or into a chat.
+in a KV cache of its own, so nothing of one text leaks into another or into a chat; an embedding
+model's (bert, nomic-bert) in one bidirectional pass of its encoder (models/encoder.py).
 """
 
 from __future__ import annotations
@@ -34,9 +35,7 @@ def embed_ids(model: Model, ids: Sequence[int], normalize: bool = True) -> np.nd
         raise LocalLLMError(
             f"the input is {len(ids)} tokens, more than the context of {model.n_ctx}"
         )
-    transformer = model.transformer
-    cache = transformer.new_cache()
-    states = transformer.forward(list(ids), 0, cache=cache, hidden=True)  # [n_tokens, dim]
+    states = model.transformer.hidden_states(list(ids))  # [n_tokens, dim]
     kind = pooling(model)
     if kind == "mean":
         vector = states.astype(np.float64).mean(axis=0)

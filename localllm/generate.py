@@ -86,6 +86,7 @@ def generate_step(
     far, in a chat) is not computed again. Ctrl-C raises KeyboardInterrupt, and `should_stop()`
     turning true raises Cancelled, within one layer of work, even in the middle of a long prompt.
     """
+    model.check_generates()
     transformer = model.transformer
     cache = transformer.cache if cache is None else cache
     prompt_ids = list(prompt_ids)
@@ -169,6 +170,7 @@ def stream_generate(
     emitted), max_tokens or a full context ("length"). The last response has a finish_reason.
     Ctrl-C (KeyboardInterrupt) and `should_stop()` (Cancelled) stop it at once, prefill included.
     """
+    model.check_generates()
     tokenizer = model.tokenizer
     if isinstance(prompt, str):
         prompt_ids = tokenizer.encode(prompt, add_special=add_special, parse_special=parse_special)

@@ -1,4 +1,4 @@
-"""Transformer ops as Numba kernels: RMSNorm, RoPE, attention, activations.
+"""Transformer ops as Numba kernels: RMSNorm, LayerNorm, RoPE, attention, activations.
 
 Each op works in place or into a buffer the caller allocated once at load (see models/), so a
 decode step allocates nothing. For one token only attention runs threads: the element-wise ops
@@ -40,6 +40,30 @@ def rmsnorm(x, weight, eps, out):
         scale = np.float32(1.0 / math.sqrt(np.float32(ss / dim) + eps))
         for j in range(dim):
             out[i, j] = x[i, j] * scale * weight[j]
+
+
+@njit(cache=True)
+def layernorm(x, weight, bias, eps, out):
+    """out[i] = (x[i] - mean(x[i])) / sqrt(var(x[i]) + eps) * weight + bias, for every row i
+    (the encoders' LayerNorm). x, out: float32[n_rows, dim]; weight, bias: float32[dim]. out
+    may be x.
+
+    As ggml_norm then build_norm's mul and add: the mean from a float64 sum, the variance of
+    the float32 differences summed in float64, one float32 scale, then weight and bias.
+    """
+    n_rows, dim = x.shape
+    for i in range(n_rows):
+        total = 0.0
+        for j in range(dim):
+            total += np.float64(x[i, j])
+        mean = np.float32(np.float32(total) / np.float32(dim))
+        ss = 0.0
+        for j in range(dim):
+            d = x[i, j] - mean
+            ss += np.float64(d * d)
+        scale = np.float32(1.0) / np.float32(math.sqrt(np.float32(ss / dim) + eps))
+        for j in range(dim):
+            out[i, j] = (x[i, j] - mean) * scale * weight[j] + bias[j]
 
 
 @njit(cache=True)
@@ -312,10 +336,11 @@ def _kv_value(x):
 @njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
 def attention(
     q, k_cache, v_cache, start_pos, window, scale, softcap, sinks, f16_probs, heads_per_job,
-    scores, row, out,
+    scores, row, out, causal,
 ):  # fmt: skip
     """Causal multi-head attention over an f16 KV cache, with grouped K/V heads and an optional
-    sliding window.
+    sliding window; or, not `causal`, every token over all start_pos + n_tokens keys (the
+    encoders' bidirectional attention, over their float32 K and V).
 
     q: float32[n_tokens, n_heads, head_dim] for positions start_pos .. start_pos + n_tokens - 1
     k_cache, v_cache: uint16[n_ctx, n_kv_heads, head_dim], IEEE half bits (llama.cpp's f16 KV
@@ -336,6 +361,7 @@ def attention(
     out: float32[n_tokens, n_heads, head_dim]
     """
     n_tokens, n_heads, head_dim = q.shape
+    n_keys = start_pos + n_tokens
     n_kv_heads = k_cache.shape[1]
     group = n_heads // n_kv_heads
     n_split = group // heads_per_job
@@ -344,7 +370,7 @@ def attention(
         t = job // (n_kv_heads * n_split)
         kv = job // n_split % n_kv_heads
         h0 = kv * group + job % n_split * heads_per_job
-        pos = start_pos + t
+        pos = start_pos + t if causal else n_keys - 1  # the last key this token sees
         first = 0
         if window > 0 and pos - window + 1 > 0:
             first = pos - window + 1
@@ -515,6 +541,32 @@ def gelu_tanh_mul_rows(gate, up, table):
     """gelu_tanh_mul with the tokens spread over threads (prefill)."""
     for t in prange(gate.shape[0]):
         _gelu_tanh_mul_row(gate[t], up[t], table)
+
+
+@njit(parallel=True, cache=True)
+def gelu_tanh_rows(x, table):
+    """x = gelu_tanh(x) in place (the encoders' GELU MLP), from ggml's half-precision table as
+    gelu_tanh_mul computes it. x: float32[n_tokens, ffn_dim]."""
+    for t in prange(x.shape[0]):
+        row = x[t]
+        for i in range(row.shape[0]):
+            g = row[i]
+            if g <= np.float32(-10.0):
+                row[i] = np.float32(0.0)
+            elif g < np.float32(10.0):
+                row[i] = table[f16_bits(g)]
+
+
+@njit(cache=True)
+def gelu_tanh_exact(x):
+    """x = gelu_tanh(x) in place, evaluated in float32 for every element."""
+    n_tokens, n = x.shape
+    c = np.float32(0.7978845608028654)  # sqrt(2 / pi)
+    for t in range(n_tokens):
+        for i in range(n):
+            g = x[t, i]
+            inner = c * g * (np.float32(1.0) + np.float32(0.044715) * g * g)
+            x[t, i] = np.float32(0.5) * g * (np.float32(1.0) + np.float32(math.tanh(inner)))
 
 
 @njit(cache=True)

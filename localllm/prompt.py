@@ -14,7 +14,9 @@ from localllm.models import Model
 
 
 def chat_template(model: Model) -> ChatTemplate:
-    """The model's template (from the file, else a built-in one), parsed once per model."""
+    """The model's template (from the file, else a built-in one), parsed once per model. An
+    embedding model, which has none to generate with, is a LocalLLMError that says so."""
+    model.check_generates()
     template = model.extra.get("chat_template")
     if template is None:
         template = ChatTemplate.from_metadata(model.metadata)
@@ -51,4 +53,5 @@ def chat_prompt_ids(
 def raw_prompt_ids(model: Model, text: str) -> list[int]:
     """Token ids for plain completion (--raw): BOS/EOS as the metadata says, special text parsed
     as llama.cpp's completion mode does."""
+    model.check_generates()
     return model.tokenizer.encode(text, add_special=True, parse_special=True)

@@ -100,7 +100,7 @@ class LoadedModel:
             n_params=sum(math.prod(t.shape) for t in model.gguf.tensors.values()),
             quant=detect_quant(model.path),
             n_ctx=model.n_ctx,
-            nbytes=model.gguf.file_size + transformer.cache.nbytes,
+            nbytes=model.gguf.file_size + transformer.kv_nbytes,
             device=getattr(transformer.backend, "name", "cpu"),
         )
 

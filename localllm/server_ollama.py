@@ -561,10 +561,12 @@ def _describe(served) -> dict[str, Any]:
         "parameter_size": format_count(info["parameters"]),
         "quantization_level": info["quantization"] or "",
     }
+    from localllm.models import EMBEDDING_ARCHITECTURES
+
     template = info["chat_template"] or ""
-    # An embedding model (its file says how to pool) embeds; the others complete, and may
-    # take tools and think, as their templates show (Ollama's capabilities).
-    if f"{arch}.pooling_type" in metadata:
+    # An embedding model embeds; the others complete, and may take tools and think, as their
+    # templates show (Ollama's capabilities).
+    if arch in EMBEDDING_ARCHITECTURES:
         capabilities = ["embedding"]
     else:
         capabilities = ["completion"]

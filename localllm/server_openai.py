@@ -161,6 +161,11 @@ async def _prepare(
     state.engine.check_room(n)
     samplings = [_sampling(req, i) for i in range(n)]
     model = await state.pool.load(served)
+    if model.embedding_only:
+        try:
+            model.check_generates()
+        except LocalLLMError as e:
+            raise bad_request(str(e), param="model") from None
     try:
         prompt_ids = await asyncio.to_thread(build_ids, model)
     except LocalLLMError as e:  # e.g. the chat template rejected the conversation

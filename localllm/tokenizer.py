@@ -1,6 +1,6 @@
 """Tokenizers built from a GGUF vocab that give llama.cpp's token ids.
 
-Two families, both driven by `tokenizer.ggml.*` metadata:
+Three families, all driven by `tokenizer.ggml.*` metadata:
 
 - ``gpt2``: byte-level BPE. The merge loop is the `tokenizers` library's `models.BPE`, built in
   memory from the GGUF tokens and merges; the pre-tokenizer is the split regex llama.cpp uses for
@@ -8,6 +8,9 @@ Two families, both driven by `tokenizer.ggml.*` metadata:
 - ``llama``: SentencePiece BPE (merge by piece score, byte fallback). The merge loop is the
   `sentencepiece` library, fed a ModelProto serialised by hand from the GGUF pieces (protobuf is
   not a dependency; the message is three small records).
+- ``bert``: WordPiece (BERT, bge, nomic-embed), as llama.cpp's llm_tokenizer_wpm: a greedy
+  longest match over the converter's "phantom space" vocabulary (word starts carry "▁",
+  continuations are bare), after llama.cpp's own normalization (`_WordPiece`).
 
 Around both, the parts llama.cpp does itself are reproduced here: special and user-defined tokens
 are cut out of the raw text before the merge step (`_partition`), BOS/EOS/space-prefix handling,
@@ -16,7 +19,9 @@ the end-of-generation token set, and the per-token rendering used for decoding.
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -183,7 +188,7 @@ def unsupported_tokenizer(metadata: Mapping[str, Any]) -> str | None:
     """What localllm lacks to build this file's tokenizer, in words (None: nothing), from the
     metadata alone: read before a download (support.py) as well as at load."""
     model = metadata.get("tokenizer.ggml.model")
-    if model == "llama":
+    if model in ("llama", "bert"):
         return None
     if model == "gpt2":
         pre_name = metadata.get("tokenizer.ggml.pre") or "default"
@@ -345,6 +350,101 @@ class _SentencePieceBpe:
         return text.replace("\u2581", " ").encode("utf-8")
 
 
+# White_Space code points, as llama.cpp's unicode tables flag them
+_WHITESPACE = frozenset(
+    [*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029]
+    + [0x202F, 0x205F, 0x3000]
+)
+_CJK_RANGES = (
+    (0x4E00, 0x9FFF),
+    (0x3400, 0x4DBF),
+    (0x20000, 0x2A6DF),
+    (0x2A700, 0x2B73F),
+    (0x2B740, 0x2B81F),
+    (0x2B920, 0x2CEAF),  # sic: 0x2B820 in Unicode, 0x2B920 in the HF code llama.cpp follows
+    (0xF900, 0xFAFF),
+    (0x2F800, 0x2FA1F),
+)
+_SPACE, _DROP, _ALONE, _IN_WORD = range(4)
+
+
+@lru_cache(maxsize=4096)
+def _wpm_char(ch: str) -> tuple[int, str]:
+    """(what llm_tokenizer_wpm's preprocess does with `ch`, the text it adds).
+
+    llama.cpp's "NFD" maps each code point to the first code point of its decomposition (so
+    an accented letter loses its accent), then lowercases it (the first code point of the
+    lowercase); whitespace ends a word, NUL, U+FFFD and control/format characters vanish, and
+    punctuation, ASCII symbols and CJK ideographs are words of their own.
+    """
+    cpt = ord(unicodedata.normalize("NFD", ch)[0])
+    base = chr(cpt)
+    if cpt in _WHITESPACE:
+        return _SPACE, ""
+    category = unicodedata.category(base)
+    if cpt in (0, 0xFFFD) or category in ("Cc", "Cf", "Co", "Cs"):
+        return _DROP, ""
+    lower = base.lower()[0]
+    if (
+        category.startswith("P")
+        or (cpt < 0x7F and category.startswith("S"))
+        or any(first <= cpt <= last for first, last in _CJK_RANGES)
+    ):
+        return _ALONE, lower
+    return _IN_WORD, lower
+
+
+class _WordPiece:
+    """bert-type (WordPiece) tokenization, llama.cpp's llm_tokenizer_wpm_session."""
+
+    def __init__(self, tokens: Sequence[str], unk_id: int) -> None:
+        self._ids = {text: i for i, text in enumerate(tokens)}
+        self._max_len = max(map(len, tokens))
+        self._unk_id = unk_id
+
+    @staticmethod
+    def words(text: str) -> list[str]:
+        """The normalized words of `text` (llm_tokenizer_wpm_session::preprocess)."""
+        words, word = [], []
+        for ch in text:
+            kind, piece = _wpm_char(ch)
+            if kind == _IN_WORD:
+                word.append(piece)
+            elif kind in (_SPACE, _ALONE):
+                if word:
+                    words.append("".join(word))
+                    word = []
+                if kind == _ALONE:
+                    words.append(piece)
+        if word:
+            words.append("".join(word))
+        return words
+
+    def encode(self, text: str) -> list[int]:
+        """Each word, "▁" before it, as the longest vocabulary pieces from its left; a word
+        that some position of which no piece starts becomes one unknown token."""
+        ids = []
+        for word in self.words(text):
+            word = "\u2581" + word
+            pieces, i = [], 0
+            while i < len(word):
+                for j in range(min(len(word), i + self._max_len), i, -1):
+                    token_id = self._ids.get(word[i:j])
+                    if token_id is not None:
+                        pieces.append(token_id)
+                        i = j
+                        break
+                else:
+                    pieces = [self._unk_id]
+                    break
+            ids.extend(pieces)
+        return ids
+
+    @staticmethod
+    def piece(text: str) -> bytes:
+        return text.replace("\u2581", " ").encode("utf-8")
+
+
 def _array(metadata: Mapping[str, Any], key: str, dtype: type, n: int) -> np.ndarray | None:
     value = metadata.get(key)
     if value is None:
@@ -388,7 +488,7 @@ class Tokenizer:
         self,
         tokens: Sequence[str],
         token_types: np.ndarray,  # [n_vocab] int32, llama.cpp attributes after its fix-ups
-        backend: _ByteLevelBpe | _SentencePieceBpe,
+        backend: _ByteLevelBpe | _SentencePieceBpe | _WordPiece,
         *,
         bos_id: int | None,
         eos_id: int | None,
@@ -396,6 +496,7 @@ class Tokenizer:
         add_bos: bool,
         add_eos: bool,
         add_space_prefix: bool,
+        sep_id: int | None = None,
     ) -> None:
         self._tokens = tokens
         self._types = token_types
@@ -407,6 +508,7 @@ class Tokenizer:
         self.add_bos = add_bos
         self.add_eos = add_eos
         self.add_space_prefix = add_space_prefix
+        self.sep_id = sep_id  # WordPiece: [SEP], which ends every input with add_special
         self._pieces: list[bytes | None] = [None] * len(tokens)
 
         # llama.cpp's cache_special_tokens: control, user-defined and unknown tokens, longest
@@ -450,7 +552,7 @@ class Tokenizer:
             raise LocalLLMError("the GGUF vocabulary has duplicate tokens")
 
         # defaults per tokenizer type, then metadata overrides (llama_vocab::impl::load)
-        add_eos = False
+        add_eos, sep_id = False, None
         if model == "llama":
             bos_id, eos_id, unk_id = 1, 2, 0
             add_bos, add_space_prefix = True, True
@@ -466,10 +568,15 @@ class Tokenizer:
             # llama.cpp's defaults for a BPE file without ids (Falcon's)
             bos_id, eos_id, unk_id = 11, 11, None
             add_bos, add_space_prefix = pre.add_bos, False
+        elif model == "bert":
+            # BERT's ids ([CLS] 101, [UNK] 100, [SEP] 102); the converter's bos is [CLS]
+            bos_id, eos_id, unk_id, sep_id = 101, None, 100, 102
+            add_bos, add_space_prefix = True, False
+            bos_id = int(metadata.get("tokenizer.ggml.cls_token_id", bos_id))
         else:
             raise LocalLLMError(
                 f"unsupported tokenizer model {model!r} (tokenizer.ggml.model); "
-                "supported: gpt2 (BPE), llama (SentencePiece)"
+                "supported: gpt2 (BPE), llama (SentencePiece), bert (WordPiece)"
             )
 
         def special_id(key: str, default: int | None) -> int | None:
@@ -483,8 +590,18 @@ class Tokenizer:
         bos_id = special_id("tokenizer.ggml.bos_token_id", bos_id)
         eos_id = special_id("tokenizer.ggml.eos_token_id", eos_id)
         unk_id = special_id("tokenizer.ggml.unknown_token_id", unk_id)
-        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos))
-        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", add_eos))
+        if model == "bert":
+            # llama.cpp's WordPiece path puts [CLS] before and [SEP] after every input with
+            # add_special, whatever add_bos_token / add_eos_token / add_sep_token say
+            sep_id = special_id("tokenizer.ggml.seperator_token_id", sep_id)
+            if bos_id is None or sep_id is None or unk_id is None:
+                raise LocalLLMError(
+                    "this WordPiece vocabulary lacks [CLS], [SEP] or [UNK] (tokenizer.ggml."
+                    "bos_token_id, seperator_token_id, unknown_token_id)"
+                )
+        else:
+            add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos))
+            add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", add_eos))
         add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", add_space_prefix))
         if add_bos and bos_id is None:
             raise LocalLLMError("tokenizer.ggml.add_bos_token is set but the BOS id is not")
@@ -497,6 +614,9 @@ class Tokenizer:
             if scores is None:
                 scores = np.zeros(n_vocab, np.float32)
             backend = _SentencePieceBpe(tokens, scores, types, 0 if unk_id is None else unk_id)
+        elif model == "bert":
+            backend = _WordPiece(tokens, unk_id)
+            add_space_prefix = False  # the pieces carry their "▁"
         else:
             merges = metadata.get("tokenizer.ggml.merges")
             if merges is None:
@@ -513,6 +633,7 @@ class Tokenizer:
             add_bos=add_bos,
             add_eos=add_eos,
             add_space_prefix=add_space_prefix,
+            sep_id=sep_id,
         )
 
     def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
@@ -536,6 +657,8 @@ class Tokenizer:
             ids.extend(self._backend.encode(fragment))
         if add_special and self.add_eos:
             ids.append(self.eos_id)
+        if add_special and self.sep_id is not None:
+            ids.append(self.sep_id)
         return ids
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:

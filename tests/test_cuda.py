@@ -27,7 +27,7 @@ from localllm.errors import LocalLLMError
 from localllm.gguf import TensorInfo, read_gguf
 from localllm.models import model_config
 from localllm.models.transformer import Transformer
-from localllm.quants import dequantize
+from localllm.quants import QUANT_TYPES, dequantize
 
 # ---- which CUDA runs the kernels: the simulator, a GPU, or none ----
 
@@ -77,7 +77,8 @@ def to_device(a: np.ndarray):
 
 # ---- weights in every supported type ----
 
-TYPES = ["F32", "F16", "BF16", *F16_FIELDS]
+# the types whose registry record says the CUDA backend has them
+TYPES = [qt.name for qt in QUANT_TYPES.values() if qt.cuda]
 
 
 def random_raw(name: str, n_rows: int, n_cols: int, rng, scale: float = 0.05) -> np.ndarray:
@@ -204,6 +205,21 @@ def test_cuda_rmsnorm_rows_heads_and_in_place():
 
 
 @needs_cuda
+def test_cuda_layernorm_rows_and_in_place():
+    rng = np.random.default_rng(12)
+    x = (rng.standard_normal((3, 40)) * 3 + 1).astype(np.float32)
+    weight, bias = rng.standard_normal((2, 40)).astype(np.float32)
+    expected = np.empty_like(x)
+    ops.layernorm(x, weight, bias, np.float32(1e-12), expected)
+    b = backend()
+    dx, dw, db = to_device(x), to_device(weight), to_device(bias)
+    got = b.to_host(b.layernorm(dx, dw, db, 1e-12, b.zeros((3, 40))))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    b.layernorm(dx, dw, db, 1e-12, dx)  # out is x, as the encoder calls it
+    np.testing.assert_allclose(b.to_host(dx), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_cuda
 @pytest.mark.parametrize("neox", [False, True])
 def test_cuda_rope_both_styles(neox):
     rng = np.random.default_rng(3)
@@ -228,9 +244,10 @@ def test_cuda_rope_both_styles(neox):
     ("window", "start_pos", "n_tokens", "softcap"),
     [(0, 0, 5, 0.0), (3, 0, 5, 0.0), (4, 6, 2, 0.0), (4, 6, 2, 1.5)],
 )
-def test_cuda_attention_gqa_causal_windows(window, start_pos, n_tokens, softcap):
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_cuda_attention_gqa_causal_windows(window, start_pos, n_tokens, softcap, causal):
     """4 query heads over 2 KV heads; a prefill from 0, a windowed one, a chunk after a cache,
-    the same with Gemma 2's softcap."""
+    the same with Gemma 2's softcap; each causal and bidirectional (encoders)."""
     rng = np.random.default_rng(4)
     n_ctx, n_heads, n_kv_heads, head_dim = 12, 4, 2, 8
     q = rng.standard_normal((n_tokens, n_heads, head_dim)).astype(np.float32)
@@ -241,15 +258,15 @@ def test_cuda_attention_gqa_causal_windows(window, start_pos, n_tokens, softcap)
     expected = np.empty_like(q)
     cpu = CPUBackend(n_threads=1, llama_cpp_rounding=False)
     halves = (k_half.view(np.uint16), v_half.view(np.uint16))
-    cpu.attention(q.copy(), *halves, start_pos, window, 0.35, softcap, expected)
+    cpu.attention(q.copy(), *halves, start_pos, window, 0.35, softcap, expected, causal=causal)
     b = backend()
     out = b.zeros(q.shape)
     dq, dk, dv = to_device(q), to_device(k_cache), to_device(v_cache)
-    b.attention(dq, dk, dv, start_pos, window, 0.35, softcap, out)
+    b.attention(dq, dk, dv, start_pos, window, 0.35, softcap, out, causal=causal)
     np.testing.assert_allclose(b.to_host(out), expected, rtol=1e-5, atol=1e-6)
     sinks = rng.standard_normal(n_heads).astype(np.float32)  # gpt-oss's sink logits
-    cpu.attention(q.copy(), *halves, start_pos, window, 0.35, softcap, expected, sinks)
-    b.attention(dq, dk, dv, start_pos, window, 0.35, softcap, out, to_device(sinks))
+    cpu.attention(q.copy(), *halves, start_pos, window, 0.35, softcap, expected, sinks, causal)
+    b.attention(dq, dk, dv, start_pos, window, 0.35, softcap, out, to_device(sinks), causal)
     np.testing.assert_allclose(b.to_host(out), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -288,6 +305,10 @@ def test_cuda_elementwise_ops():
         d = to_device(gate)
         op(d, to_device(up))
         np.testing.assert_allclose(b.to_host(d), expected, rtol=1e-5, atol=1e-5)
+    d = to_device(gate)
+    b.gelu(d)
+    plain = (0.5 * gate * (1 + np.tanh(inner))).astype(np.float32)
+    np.testing.assert_allclose(b.to_host(d), plain, rtol=1e-5, atol=1e-5)
     d = to_device(gate)
     b.add(d, to_device(up))
     np.testing.assert_array_equal(b.to_host(d), gate + up)
@@ -433,6 +454,27 @@ def test_cuda_runs_each_architecture_as_the_cpu_does(name):
     cpu, cuda = logits["cpu"], logits["cuda"]
     assert cpu.std() > 1.0
     np.testing.assert_allclose(cuda, cpu, rtol=1e-4, atol=1e-5 * np.abs(cpu).max())
+
+
+@pytest.mark.slow
+@needs_cuda
+@pytest.mark.parametrize("name", ["bert", "nomic-bert"])
+def test_cuda_runs_each_encoder_as_the_cpu_does(name):
+    """The embedding encoders (LayerNorm, GELU, bidirectional attention, RoPE for nomic-bert):
+    the hidden states of one input on CUDA against the CPU backend in float32."""
+    from localllm.models.encoder import Encoder
+
+    path = ARCH_FIXTURES / f"{name}.gguf"
+    states = {}
+    gpu = backend(lanes=1, threads=4) if SIMULATED else backend()
+    for label, b in (("cpu", CPUBackend(llama_cpp_rounding=False)), ("cuda", gpu)):
+        file = read_gguf(path)
+        config = model_config(file.metadata, len(file.metadata["tokenizer.ggml.tokens"]))
+        states[label] = Encoder(file, config, b, n_ctx=8).hidden_states([2, 17, 63, 40, 3])
+        file.close()
+    cpu, cuda = states["cpu"], states["cuda"]
+    assert cpu.shape == (5, 64) and cpu.std() > 0.5
+    np.testing.assert_allclose(cuda, cpu, rtol=1e-4, atol=1e-4)
 
 
 # ---- device selection ----

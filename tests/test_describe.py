@@ -20,6 +20,8 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "architectures"
         ("llama3-rope-freqs", ["rope scaling        llama3 (rope_freqs.weight)"]),
         ("granite", ["embedding multiplier", "residual multiplier", "logit divisor"]),
         ("qwen3", ["attention heads     4 (1 K/V)"]),
+        ("bert-cls", ["pooling             cls", "Chat template (none: an embedding model)"]),
+        ("nomic-bert", ["pooling             mean"]),
     ],
 )
 def test_show_lists_the_architecture_particulars(fixture, expected):

@@ -22,6 +22,19 @@ def test_rmsnorm_matches_numpy():
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
 
 
+def test_layernorm_matches_numpy():
+    x = (rng.standard_normal((5, 96)) * 3 + 2).astype(np.float32)
+    w, b = rng.standard_normal((2, 96)).astype(np.float32)
+    out = np.empty_like(x)
+    ops.layernorm(x, w, b, np.float32(1e-12), out)
+    x64 = x.astype(np.float64)
+    centered = x64 - x64.mean(1, keepdims=True)
+    ref = centered / np.sqrt((centered**2).mean(1, keepdims=True) + 1e-12) * w + b
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    ops.layernorm(x, w, b, np.float32(1e-12), x)  # in place
+    np.testing.assert_array_equal(x, out)
+
+
 def test_rmsnorm_heads_in_place():
     x = rng.standard_normal((3, 4, 32)).astype(np.float32)
     w = rng.standard_normal(32).astype(np.float32)
@@ -98,12 +111,12 @@ def test_rope_tables_scaling_and_factors(kind):
         assert np.abs(cos - plain_cos).max() > 0.1
 
 
-def _attention_ref(q, k, v, start_pos, window, scale, softcap=0.0, sinks=None):
+def _attention_ref(q, k, v, start_pos, window, scale, softcap=0.0, causal=True, sinks=None):
     n_tokens, n_heads, head_dim = q.shape
     group = n_heads // k.shape[1]
     out = np.zeros_like(q, dtype=np.float64)
     for t in range(n_tokens):
-        pos = start_pos + t
+        pos = start_pos + t if causal else start_pos + n_tokens - 1
         first = max(0, pos - window + 1) if window else 0
         for h in range(n_heads):
             keys = k[first : pos + 1, h // group].astype(np.float64)
@@ -117,11 +130,13 @@ def _attention_ref(q, k, v, start_pos, window, scale, softcap=0.0, sinks=None):
     return out
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("half_bits", [True, False], ids=["f16-cache", "f32-cache"])
 @pytest.mark.parametrize("heads_per_job", [1, 3])
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (3, 0.0), (0, 2.0), (3, 2.0)])
-def test_attention_gqa_causal_window(window, softcap, heads_per_job, half_bits):
-    """GQA, causal, windowed; with softcap (Gemma 2) scores of ~3 units are capped near 2."""
+def test_attention_gqa_causal_window(window, softcap, heads_per_job, half_bits, causal):
+    """GQA, causal, windowed; with softcap (Gemma 2) scores of ~3 units are capped near 2; and
+    bidirectional (encoders): every token over all the keys."""
     n_ctx, n_heads, n_kv, head_dim, start, n = 16, 6, 2, 8, 5, 4
     q = rng.standard_normal((n, n_heads, head_dim)).astype(np.float32) * 3
     # The cache holds half bits (or float32 in exact mode); the reference takes the same halves.
@@ -138,18 +153,19 @@ def test_attention_gqa_causal_window(window, softcap, heads_per_job, half_bits):
         k_cache, v_cache = k.astype(np.float32), v.astype(np.float32)
     cap = np.float32(softcap)
     no_sinks = np.zeros(0, np.float32)
-    args = (start, window, np.float32(scale), cap, no_sinks, False, heads_per_job, scores, row, out)
+    sc = np.float32(scale)
+    args = (start, window, sc, cap, no_sinks, False, heads_per_job, scores, row, out, causal)
     ops.attention(q, k_cache, v_cache, *args)
     k32, v32 = k.astype(np.float32), v.astype(np.float32)
-    expected = _attention_ref(q, k32, v32, start, window, scale, softcap)
+    expected = _attention_ref(q, k32, v32, start, window, scale, softcap, causal)
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
     if softcap:  # and the cap changed the result
         assert np.abs(expected - _attention_ref(q, k32, v32, start, window, scale)).max() > 0.05
     # gpt-oss's sinks: one logit per head in each softmax (here around the scores' size)
     sinks = (4 + rng.standard_normal(n_heads) * 2).astype(np.float32)
-    args = (start, window, np.float32(scale), cap, sinks, False, heads_per_job, scores, row, out)
+    args = (start, window, sc, cap, sinks, False, heads_per_job, scores, row, out, causal)
     ops.attention(q, k_cache, v_cache, *args)
-    with_sinks = _attention_ref(q, k32, v32, start, window, scale, softcap, sinks)
+    with_sinks = _attention_ref(q, k32, v32, start, window, scale, softcap, causal, sinks)
     np.testing.assert_allclose(out, with_sinks, rtol=1e-4, atol=1e-5)
     assert np.abs(with_sinks - expected).max() > 0.05
 
@@ -191,6 +207,17 @@ def test_activations():
     ops.gelu_tanh_mul(one, u, ops.GELU_TABLE)
     ops.gelu_tanh_mul_rows(many, u, ops.GELU_TABLE)
     np.testing.assert_array_equal(one, many)
+    # plain GELU (the encoders' MLP): GeGLU with an up of ones, table or exact
+    ones = np.ones_like(g)
+    for plain, gated in ((ops.gelu_tanh_rows, ops.gelu_tanh_mul), (None, None)):
+        x, y = g.copy(), g.copy()
+        if plain is None:
+            ops.gelu_tanh_exact(x)
+            ops.gelu_tanh_mul_exact(y, ones)
+        else:
+            plain(x, ops.GELU_TABLE)
+            gated(y, ones, ops.GELU_TABLE)
+        np.testing.assert_array_equal(x, y)
 
 
 @njit
@@ -218,6 +245,9 @@ def test_gelu_outside_the_table():
     u = np.full_like(g, 2.0)
     ops.gelu_tanh_mul(g, u, ops.GELU_TABLE)
     np.testing.assert_array_equal(g, [[0.0, 0.0, 20.0, 50.0]])
+    x = np.array([[-30.0, -10.0, 10.0, 25.0]], np.float32)
+    ops.gelu_tanh_rows(x, ops.GELU_TABLE)
+    np.testing.assert_array_equal(x, [[0.0, 0.0, 10.0, 25.0]])
 
 
 def test_f16_bits_match_numpy():

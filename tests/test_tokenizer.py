@@ -297,8 +297,12 @@ def test_stream_decoder_flushes_invalid_bytes():
 def test_unsupported_tokenizers_are_clear_errors():
     with pytest.raises(LocalLLMError, match="pre-tokenizer 'no-such-pre'"):
         Tokenizer.from_metadata(bpe_metadata(**{"tokenizer.ggml.pre": "no-such-pre"}))
-    with pytest.raises(LocalLLMError, match="tokenizer model 'bert'"):
-        Tokenizer.from_metadata({**bpe_metadata(), "tokenizer.ggml.model": "bert"})
+    with pytest.raises(LocalLLMError, match="tokenizer model 't5'"):
+        Tokenizer.from_metadata({**bpe_metadata(), "tokenizer.ggml.model": "t5"})
+    with pytest.raises(LocalLLMError, match=r"lacks \[CLS\], \[SEP\] or \[UNK\]"):
+        Tokenizer.from_metadata(
+            {"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["▁a", "b", "[UNK]"]}
+        )
     with pytest.raises(LocalLLMError, match="no tokenizer"):
         Tokenizer.from_metadata({})
     duplicated = bpe_metadata()

@@ -161,6 +161,12 @@ class CUDABackend:
         )
         return out
 
+    def layernorm(self, x, weight, bias, eps: float, out):
+        kernels.layernorm[x.shape[0], self.threads, 0, 4 * self.threads](
+            x, weight, bias, np.float32(eps), out
+        )
+        return out
+
     def rmsnorm_heads(self, x, weight, eps: float) -> None:
         """QK-norm: RMSNorm of each head in place. x: float32[n_tokens, n_heads, head_dim]."""
         n_tokens, n_heads, head_dim = x.shape
@@ -198,8 +204,9 @@ class CUDABackend:
         softcap: float,
         out,
         sinks=None,
+        causal: bool = True,
     ):
-        """Causal GQA attention over the cache; see kernels.attention."""
+        """Causal (or, for an encoder, bidirectional) GQA attention; see kernels.attention."""
         n_tokens, n_heads, _ = q.shape
         n_jobs, n_keys = n_tokens * n_heads, start_pos + n_tokens
         if self._scores is None or self._scores.shape[0] < n_jobs or self._scores.shape[1] < n_keys:
@@ -218,6 +225,7 @@ class CUDABackend:
             self._no_sinks if sinks is None else sinks,
             self._scores,
             out,
+            bool(causal),
         )
         return out
 
@@ -238,6 +246,9 @@ class CUDABackend:
 
     def swiglu_oai_mul(self, gate, up) -> None:
         self._elementwise(kernels.swiglu_oai_mul, gate, up)
+
+    def gelu(self, x) -> None:
+        self._elementwise(kernels.gelu, x)
 
     def scale(self, x, factor: float) -> None:
         self._elementwise(kernels.scale, x, np.float32(factor))

@@ -424,6 +424,32 @@ def rmsnorm(x, weight, eps, out):
 
 
 @cuda.jit(cache=True)
+def layernorm(x, weight, bias, eps, out):
+    """out[i] = (x[i] - mean) / sqrt(var + eps) * weight + bias. x, out: float32[n_rows, dim]
+    (out may be x); weight, bias: float32[dim]. Threads as rmsnorm: a block per row, the mean
+    and then the variance each a strided sum reduced in shared memory."""
+    row, tid, n_threads = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    dim = x.shape[1]
+    partial = cuda.shared.array(0, types.float32)  # float32[n_threads]
+    total = np.float32(0.0)
+    for j in range(tid, dim, n_threads):
+        total += x[row, j]
+    partial[tid] = total
+    _tree_reduce(partial, 1, 0, 0, tid, n_threads, False)
+    mean = partial[0] / np.float32(dim)
+    cuda.syncthreads()  # all have read the sum before partial is reused
+    ss = np.float32(0.0)
+    for j in range(tid, dim, n_threads):
+        d = x[row, j] - mean
+        ss += d * d
+    partial[tid] = ss
+    _tree_reduce(partial, 1, 0, 0, tid, n_threads, False)
+    scale = np.float32(1.0) / np.float32(math.sqrt(partial[0] / np.float32(dim) + eps))
+    for j in range(tid, dim, n_threads):
+        out[row, j] = (x[row, j] - mean) * scale * weight[j] + bias[j]
+
+
+@cuda.jit(cache=True)
 def rope(x, cos, sin, neox):
     """Rotate every head of x: float32[n_tokens, n_heads, head_dim] in place; cos, sin:
     float32[n_tokens, n_pairs]. neox rotates (i, i + n_pairs), else adjacent pairs (2i, 2i + 1).
@@ -449,8 +475,9 @@ def rope(x, cos, sin, neox):
 
 
 @cuda.jit(cache=True)
-def attention(q, k_cache, v_cache, start_pos, window, scale, softcap, sinks, scores, out):
-    """Causal attention with grouped K/V heads and an optional sliding window, softmax inside.
+def attention(q, k_cache, v_cache, start_pos, window, scale, softcap, sinks, scores, out, causal):
+    """Causal attention with grouped K/V heads and an optional sliding window, softmax inside;
+    not `causal`, each token attends to all start_pos + n_tokens keys (encoders).
 
     q, out: float32[n_tokens, n_heads, head_dim] for positions start_pos + t;
     k_cache, v_cache: float32[n_ctx, n_kv_heads, head_dim], filled up to start_pos + n_tokens;
@@ -467,7 +494,7 @@ def attention(q, k_cache, v_cache, start_pos, window, scale, softcap, sinks, sco
     n_heads, head_dim = q.shape[1], q.shape[2]
     kv = h // (n_heads // k_cache.shape[1])
     row = t * n_heads + h
-    pos = start_pos + t
+    pos = start_pos + t if causal else start_pos + q.shape[0] - 1  # the last key seen
     first = 0
     if window > 0 and pos - window + 1 > 0:
         first = pos - window + 1
@@ -580,6 +607,18 @@ def swiglu_oai_mul(gate, up):
         y = min(max(up[t, j], np.float32(-7.0)), np.float32(7.0))
         sig = np.float32(1.0) / (np.float32(1.0) + np.float32(math.exp(np.float32(-1.702) * x)))
         gate[t, j] = x * sig * (y + np.float32(1.0))
+
+
+@cuda.jit(cache=True)
+def gelu(x):
+    """x = gelu_tanh(x) (the encoders' GELU MLP)."""
+    i = cuda.grid(1)
+    n = x.shape[1]
+    if i < x.shape[0] * n:
+        t, j = i // n, i % n
+        g = x[t, j]
+        inner = GELU_C * g * (np.float32(1.0) + np.float32(0.044715) * g * g)
+        x[t, j] = np.float32(0.5) * g * (np.float32(1.0) + np.float32(math.tanh(inner)))
 
 
 @cuda.jit(cache=True)

@@ -11,7 +11,9 @@ from typing import Any
 from localllm import support
 from localllm.errors import LocalLLMError
 from localllm.gguf import GGUFFile, read_gguf
+from localllm.models.bert import bert_config, nomic_bert_config
 from localllm.models.config import ModelConfig
+from localllm.models.encoder import Encoder
 from localllm.models.gemma import gemma2_config, gemma3_config
 from localllm.models.gpt_oss import gpt_oss_config
 from localllm.models.llama import (
@@ -29,7 +31,8 @@ from localllm.models.phi3 import phi3_config
 from localllm.models.transformer import Transformer
 from localllm.tokenizer import Tokenizer
 
-# general.architecture -> config builder; all of them run on the one Transformer.
+# general.architecture -> config builder; all of them run on the one Transformer, but for the
+# embedding encoders (config.causal False: bert, nomic-bert), which run on the Encoder.
 ARCHITECTURES: dict[str, Callable[[Mapping[str, Any], int], ModelConfig]] = {
     "llama": llama_config,
     "mistral": mistral_config,
@@ -44,20 +47,26 @@ ARCHITECTURES: dict[str, Callable[[Mapping[str, Any], int], ModelConfig]] = {
     "olmo2": olmo2_config,
     "smollm3": smollm3_config,
     "gpt-oss": gpt_oss_config,
+    "bert": bert_config,
+    "nomic-bert": nomic_bert_config,
 }
+
+# the encoders among them: embedding models, which generate no text
+EMBEDDING_ARCHITECTURES = frozenset({"bert", "nomic-bert"})
 
 DEFAULT_CTX = 4096
 
 
 @dataclass
 class Model:
-    """A loaded model: the file, its tokenizer, its config and the transformer with its KV cache."""
+    """A loaded model: the file, its tokenizer, its config and the transformer with its KV cache
+    (or, for an embedding model, the encoder)."""
 
     path: Path
     gguf: GGUFFile
     config: ModelConfig
     tokenizer: Tokenizer
-    transformer: Transformer
+    transformer: Transformer | Encoder
     load_seconds: float = 0.0
     extra: dict = field(default_factory=dict)
 
@@ -67,7 +76,20 @@ class Model:
 
     @property
     def n_ctx(self) -> int:
-        return self.transformer.cache.n_ctx
+        return self.transformer.n_ctx
+
+    @property
+    def embedding_only(self) -> bool:
+        """An encoder (bert, nomic-bert): it makes embeddings, never text."""
+        return not self.config.causal
+
+    def check_generates(self) -> None:
+        """Raise a LocalLLMError that says so, for an embedding model asked to generate."""
+        if self.embedding_only:
+            raise LocalLLMError(
+                f"{self.path.name} is an embedding model ({self.config.arch}): it makes "
+                "embeddings (localllm serve: /v1/embeddings, /api/embed), not text"
+            )
 
     def close(self) -> None:
         self.gguf.close()
@@ -108,7 +130,8 @@ def load_model(
         if n_ctx < 1:
             raise LocalLLMError(f"the context size must be at least 1, got {n_ctx}")
         backend = backend or make_backend(device, n_threads)
-        transformer = Transformer(gguf, config, backend, n_ctx)
+        runner = Transformer if config.causal else Encoder
+        transformer = runner(gguf, config, backend, n_ctx)
     except BaseException:
         gguf.close()
         raise

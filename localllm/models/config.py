@@ -78,6 +78,11 @@ class ModelConfig:
     # Per layer: whether q and k are rotated (smollm3 leaves every 4th layer unrotated); empty
     # means every layer
     layer_rope: tuple[bool, ...] = field(default_factory=tuple)
+    # False: an encoder (bert, nomic-bert), run by models/encoder.py: bidirectional attention
+    # over the whole input, LayerNorms (with biases, epsilon norm_eps) after the residual adds,
+    # and hidden states out rather than logits; an embedding model, which generates no text
+    causal: bool = True
+    norm_eps: float = 0.0  # the encoders' LayerNorm epsilon (attention.layer_norm_epsilon)
 
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0

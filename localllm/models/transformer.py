@@ -310,6 +310,20 @@ class Transformer:
 
     # -- the forward pass -----------------------------------------------------------------
 
+    @property
+    def n_ctx(self) -> int:
+        return self.cache.n_ctx
+
+    @property
+    def kv_nbytes(self) -> int:
+        """The bytes of the model's own KV cache (one full context)."""
+        return self.cache.nbytes
+
+    def hidden_states(self, token_ids, interrupt: Callable[[], None] | None = None) -> np.ndarray:
+        """float32[n_tokens, dim]: the final normed hidden states of one input, run in a KV
+        cache of its own (the embeddings of a causal model)."""
+        return self.forward(token_ids, 0, cache=self.new_cache(), interrupt=interrupt, hidden=True)
+
     def new_cache(self, n_ctx: int | None = None) -> KVCache:
         """A KV cache (by default of the same context size), e.g. for another sequence."""
         c = self.config
