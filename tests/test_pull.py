@@ -476,11 +476,11 @@ def test_an_unknown_pre_tokenizer_is_refused_from_its_header(hub, small_header_c
         {
             "general.architecture": "llama",
             "tokenizer.ggml.model": "gpt2",
-            "tokenizer.ggml.pre": "gpt-4o",
+            "tokenizer.ggml.pre": "tekken",
         }
     )
     hub.files[f"{REPO}/{FILE}"] = data
     store = make_store(entry(sha256=hashlib.sha256(data).hexdigest()))
-    with pytest.raises(LocalLLMError, match="unsupported BPE pre-tokenizer 'gpt-4o'"):
+    with pytest.raises(LocalLLMError, match="unsupported BPE pre-tokenizer 'tekken'"):
         pull("tiny:1m", store)
     assert store.list() == []
