@@ -484,18 +484,20 @@ def silu_mul(gate, up):
         _silu_mul_row(gate[t], up[t])
 
 
+@njit(cache=True, inline="always")
+def _gelu_tanh(g):
+    """gelu_tanh of one float32, in float32."""
+    inner = np.float32(0.7978845608028654) * g * (np.float32(1.0) + np.float32(0.044715) * g * g)
+    return np.float32(0.5) * g * (np.float32(1.0) + np.float32(math.tanh(inner)))
+
+
 @njit(cache=True)
 def gelu_tanh_mul_exact(gate, up):
     """gate = gelu_tanh(gate) * up, in place, evaluated in float32 for every element."""
     n_tokens, n = gate.shape
-    c = np.float32(0.7978845608028654)  # sqrt(2 / pi)
     for t in range(n_tokens):
         for i in range(n):
-            g = gate[t, i]
-            inner = c * g * (np.float32(1.0) + np.float32(0.044715) * g * g)
-            gate[t, i] = (
-                np.float32(0.5) * g * (np.float32(1.0) + np.float32(math.tanh(inner))) * up[t, i]
-            )
+            gate[t, i] = _gelu_tanh(gate[t, i]) * up[t, i]
 
 
 def _gelu_table() -> np.ndarray:
@@ -561,12 +563,9 @@ def gelu_tanh_rows(x, table):
 def gelu_tanh_exact(x):
     """x = gelu_tanh(x) in place, evaluated in float32 for every element."""
     n_tokens, n = x.shape
-    c = np.float32(0.7978845608028654)  # sqrt(2 / pi)
     for t in range(n_tokens):
         for i in range(n):
-            g = x[t, i]
-            inner = c * g * (np.float32(1.0) + np.float32(0.044715) * g * g)
-            x[t, i] = np.float32(0.5) * g * (np.float32(1.0) + np.float32(math.tanh(inner)))
+            x[t, i] = _gelu_tanh(x[t, i])
 
 
 @njit(cache=True)
