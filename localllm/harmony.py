@@ -35,13 +35,20 @@ def is_harmony(template_source: str) -> bool:
     return CHANNEL in template_source and "<|message|>" in template_source
 
 
+_OPENING_TAGS = (CHANNEL, START)
+
+
+def opens_harmony(text: str) -> bool:
+    """Whether a reply starts with a harmony channel header."""
+    return text.lstrip().startswith(_OPENING_TAGS)
+
+
 def starts_harmony(text: str) -> bool:
     """Whether a reply's start is (or may become) a harmony channel header."""
     stripped = text.lstrip()
-    for tag in (CHANNEL, START):
-        if stripped.startswith(tag) or (stripped and tag.startswith(stripped)):
-            return True
-    return False
+    if not stripped:
+        return False
+    return opens_harmony(stripped) or any(tag.startswith(stripped) for tag in _OPENING_TAGS)
 
 
 class HarmonySplitter:
@@ -82,7 +89,7 @@ class HarmonySplitter:
                     at += len(END)
                 text, self._header = text[at:], ""
                 continue
-            keep = max(_partial(text, END), _partial(text, START))
+            keep = max(partial_tag_length(text, END), partial_tag_length(text, START))
             body, self._held = text[: len(text) - keep], text[len(text) - keep :]
             pieces.append((CONTENT if self._raw else self._kind, body))
             break
@@ -96,7 +103,8 @@ class HarmonySplitter:
         return [(CONTENT if self._raw else self._kind, held)] if held else []
 
 
-def _partial(text: str, tag: str) -> int:
+def partial_tag_length(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that is a start of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
             return n

@@ -138,16 +138,7 @@ async def generate(request: Request) -> Response:
     if prompt is not None and not isinstance(prompt, str):
         return _error(400, "prompt must be a string")
     if not prompt:
-        try:
-            keep = keep_alive_seconds(body.get("keep_alive"))
-        except ValueError as e:
-            return _error(400, str(e))
-        if keep == 0:
-            return await _unload(pool, served)
-        # Ollama's "load a model" request: load it, keep it that long, and answer done.
-        await pool.load(served)
-        await pool.keep(served, keep)
-        return JSONResponse(_loaded(served.id, "response"))
+        return await _load_or_unload(pool, served, body, "response")
     system = body.get("system")
     if system is not None and not isinstance(system, str):
         return _error(400, "system must be a string")
@@ -191,16 +182,22 @@ async def chat(request: Request) -> Response:
                 turn["name"] = m[key]
         turns.append(turn)
     if not turns:  # Ollama: an empty chat loads the model (or unloads it, with keep_alive 0)
-        try:
-            keep = keep_alive_seconds(body.get("keep_alive"))
-        except ValueError as e:
-            return _error(400, str(e))
-        if keep == 0:
-            return await _unload(_pool(request), served)
-        await _pool(request).load(served)
-        await _pool(request).keep(served, keep)
-        return JSONResponse(_loaded(served.id, "message"))
+        return await _load_or_unload(_pool(request), served, body, "message")
     return await _generation(request, body, served, turns, False, "message")
+
+
+async def _load_or_unload(pool, served, body: dict, field: str) -> Response:
+    """Ollama's request without a prompt or messages: load the model and keep it for the
+    request's keep_alive, or unload it with keep_alive 0."""
+    try:
+        keep = keep_alive_seconds(body.get("keep_alive"))
+    except ValueError as e:
+        return _error(400, str(e))
+    if keep == 0:
+        return await _unload(pool, served)
+    await pool.load(served)
+    await pool.keep(served, keep)
+    return JSONResponse(_loaded(served.id, field))
 
 
 async def _served(

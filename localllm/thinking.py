@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from localllm.harmony import HarmonySplitter, is_harmony, starts_harmony
+from localllm.harmony import (
+    HarmonySplitter,
+    is_harmony,
+    opens_harmony,
+    partial_tag_length,
+    starts_harmony,
+)
 
 OPEN, CLOSE = "<think>", "</think>"
 THINKING, CONTENT = "thinking", "content"
@@ -52,7 +58,7 @@ class ThinkingSplitter:
         text = self._held + text
         self._held = ""
         if not self.done and not self.inside and starts_harmony(text):
-            if text.lstrip().startswith(("<|channel|>", "<|start|>")):  # channels, not tags
+            if opens_harmony(text):  # channels, not tags
                 self._harmony = HarmonySplitter()
                 return self._harmony.feed(text)
             self._held = text  # maybe the start of a channel header
@@ -80,7 +86,7 @@ class ThinkingSplitter:
                 else:
                     self.inside = True
                 continue
-            keep = _partial_tag_length(text, tag)
+            keep = partial_tag_length(text, tag)
             if not self.inside and text[: len(text) - keep].strip():
                 self.done = True  # the reply does not start with <think>
                 continue
@@ -100,14 +106,6 @@ class ThinkingSplitter:
         if not held:
             return []
         return [(THINKING if self.inside else CONTENT, held)]
-
-
-def _partial_tag_length(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that is a start of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def split(text: str, inside: bool = False) -> tuple[str, str]:
