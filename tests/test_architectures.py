@@ -18,6 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import random_models
+from llama_cpp_compare import (
+    LOGIT_TOL,
+    LOGIT_TOL_QUANTIZED,
+    N_STEPS,
+    check_greedy,
+    check_teacher_forced,
+    teacher_forced_logits,
+)
 from typer.testing import CliRunner
 
 from localllm.backend import CPUBackend
@@ -33,21 +41,6 @@ from localllm.tokenizer import Tokenizer
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "architectures"
 # the decoders' fixtures (the encoders' beside them: tests/test_embedding_architectures.py)
 CASE_NAMES = sorted(random_models.CASES)
-N_STEPS = 24
-
-# Where llama.cpp's top two logits are closer than this, either token is a fair greedy choice
-# (the issue's bound); after such a step the continuations may part, and are compared no further.
-NEAR_TIE = 0.3
-# Logit tolerances, from the differences measured against llama.cpp over every step of every
-# prompt (greedy, both decode kernels, and teacher-forced), and from how much these sharp random
-# models amplify rounding: the same model with float32 activations instead of ggml's roundings
-# moves its logits by up to 0.07 (F16 weights) and 0.8-2.0 (8-bit quantized weights).
-# F16 weights (activations rounded to half, as ggml rounds them): measured at most 0.028.
-LOGIT_TOL = 0.1
-# 8-bit quantized weights (activations quantized to Q8_0 blocks, where a value on a rounding
-# boundary flips a level): measured at most 0.23 (the float kernels; the integer kernels equal
-# llama.cpp's logits to the printed 5 decimals on the short prompt).
-LOGIT_TOL_QUANTIZED = 0.5
 
 
 def reference(name: str) -> dict:
@@ -86,21 +79,6 @@ def test_fixture_is_the_file_llama_cpp_ran(name):
     assert {key: ref[key] for key in summary} == summary
 
 
-def greedy(model, prompt: list[int], n_steps: int) -> tuple[list[int], list[np.ndarray]]:
-    """Prefill the prompt, then decode one token at a time through the KV cache (as llama.cpp's
-    reference did): the argmax tokens and the logits each was chosen from."""
-    t = model.transformer
-    t.cache.clear()
-    logits = t.forward(prompt, 0)
-    tokens, rows = [], []
-    for step in range(n_steps):
-        rows.append(logits)
-        tokens.append(int(np.argmax(logits)))
-        if step + 1 < n_steps:
-            logits = t.forward([tokens[-1]], len(prompt) + step)
-    return tokens, rows
-
-
 @pytest.mark.parametrize("integer_kernels", [True, False], ids=["integer", "float"])
 def test_greedy_continuation_matches_llama_cpp(case, integer_kernels):
     """24 greedy steps: the same tokens as llama.cpp's unless after one of its near-ties, the
@@ -110,50 +88,16 @@ def test_greedy_continuation_matches_llama_cpp(case, integer_kernels):
     backend = model.transformer.backend
     if integer_kernels and not intdot.AVAILABLE:
         pytest.skip("no integer kernels for this CPU")
-    tol = tolerance(ref)
     default, backend.integer_kernels = backend.integer_kernels, integer_kernels
     try:
-        for i_prompt, expected in enumerate(ref["greedy"]):
-            tokens, rows = greedy(model, expected["prompt_ids"], N_STEPS)
-            where = (ref["case"], i_prompt)
-            for step, (ours, theirs) in enumerate(zip(tokens, expected["greedy_ids"])):
-                top = expected["steps"][step]
-                ref_logits = np.array(top["top5_logits"])
-                diff = np.abs(rows[step][top["top5_ids"]] - ref_logits).max()
-                assert diff < tol, (*where, step, diff)
-                if ours != theirs:
-                    gap = ref_logits[0] - ref_logits[1]
-                    assert gap < NEAR_TIE, (*where, step, ours, theirs, gap)
-                    break
-            else:
-                last = np.abs(rows[-1] - np.array(expected["last_logits"])).max()
-                assert last < tol, (*where, "last logits", last)
+        check_greedy(model, ref, tolerance(ref))
     finally:
         backend.integer_kernels = default
 
 
-def teacher_forced_logits(transformer, expected) -> np.ndarray:
-    """float32[n_steps, vocab]: the logits of each step of llama.cpp's continuation, from one
-    pass over prompt + continuation (batched kernels)."""
-    ids = expected["prompt_ids"] + expected["greedy_ids"][:-1]
-    transformer.cache.clear()
-    logits = transformer.forward(ids, 0, all_logits=True)
-    return logits[len(expected["prompt_ids"]) - 1 :]
-
-
 def test_teacher_forced_logits_match_llama_cpp(case):
     ref, model = case
-    tol = tolerance(ref)
-    for i_prompt, expected in enumerate(ref["greedy"]):
-        logits = teacher_forced_logits(model.transformer, expected)
-        for step, top in enumerate(expected["teacher_forced"]):
-            ref_logits = np.array(top["top5_logits"])
-            diff = np.abs(logits[step][top["top5_ids"]] - ref_logits).max()
-            assert diff < tol, (ref["case"], i_prompt, step, diff)
-            allowed = {top["top5_ids"][0]}
-            if ref_logits[0] - ref_logits[1] < NEAR_TIE:
-                allowed.add(top["top5_ids"][1])
-            assert int(np.argmax(logits[step])) in allowed, (ref["case"], i_prompt, step)
+    check_teacher_forced(model, ref, tolerance(ref))
 
 
 def test_tokenizer_matches_llama_cpp(case):
