@@ -29,7 +29,7 @@ from gguf.constants import GGMLQuantizationType
 
 from ..errors import LocalLLMError
 from . import float as fp
-from . import intdot, iquants, kquants, legacy, mxfp4
+from . import intdot, iquants, kquants, legacy, mxfp4, ternary
 from .activations import BF16, F16, NONE, Q8_0, Q8_1, Q8_K
 from .kernels import dequantize_kernel, matmul_kernel
 
@@ -94,6 +94,8 @@ QUANT_TYPES: dict[int, QuantType] = {
         _record(14, "Q6_K", 256, 210, Q8_K, kquants, intdot._q6_k),
         _record(20, "IQ4_NL", 32, 18, Q8_0, iquants, intdot._iq4_nl, cuda=False),
         _record(23, "IQ4_XS", 256, 136, Q8_K, iquants, intdot._iq4_xs, cuda=False),
+        _record(34, "TQ1_0", 256, 54, Q8_K, ternary, intdot._tq1_0, cuda=False),
+        _record(35, "TQ2_0", 256, 66, Q8_K, ternary, intdot._tq2_0, cuda=False),
         _record(39, "MXFP4", 32, 17, Q8_0, mxfp4, intdot._mxfp4, cuda=False),
     )
 }

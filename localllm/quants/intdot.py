@@ -89,6 +89,7 @@ AVAILABLE = INSTRUCTION_SET is not None
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 _V16I8, _V32I8 = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32)
 _V8I32, _V8F32 = ir.VectorType(_I32, 8), ir.VectorType(_F32, 8)
+_V16I32 = ir.VectorType(_I32, 16)
 
 
 def _splat(vec_type, value):
@@ -700,6 +701,51 @@ def _iq4_xs(e, blk, c0):
         u, offset = _iq4_levels(e, e.load(blk, 8 + 16 * j, _V16I8))
         yield e.chunk_index(c0, j), u, offset, b.sub(ls, ir.Constant(_I32, 32)), None
     yield BlockEnd(c0, e.f16(blk, 0))
+
+
+# ---- ternary: w = d * (q - 1), q in 0..2, one scale per 256 weights (integer sums to the end)
+
+_ONE = ir.Constant(_I32, 1)
+
+
+def _tq2_0(e, blk, c0):
+    """qs[64] 2-bit | d f16: Q2_K's low bits without sub-block scales."""
+    for h in range(2):
+        for j in range(4):
+            yield e.chunk_index(c0, 4 * h + j), _crumbs(e, blk, 0, h, j), 1, _ONE, None
+    yield BlockEnd(c0, e.f16(blk, 64))
+
+
+def _trits(e, v, power):
+    """Trit `power` (3^k, or a list of one per byte) of each byte of v: ((v * 3^k mod 256) * 3)
+    >> 8, 0..2 (see ternary.py), in 16-bit lanes as ggml does: v * (3^k << 8) mod 2^16 is
+    (v * 3^k mod 256) << 8 (vpmullw), and its high half times 3 the trit (vpmulhuw)."""
+    b = e.b
+    n = v.type.count
+    powers = [power] * n if isinstance(power, int) else power
+    wide, wider = ir.VectorType(_I16, n), ir.VectorType(_I32, n)
+    scaled = b.mul(b.zext(v, wide), ir.Constant(wide, [p << 8 for p in powers]))
+    high = b.lshr(b.mul(b.zext(scaled, wider), _splat(wider, 3)), _splat(wider, 16))
+    return b.trunc(high, v.type)
+
+
+def _tq1_0(e, blk, c0):
+    """qs[48] | qh[4] | d f16: five trits per byte of qs, four per byte of qh (see ternary.py).
+    Chunks 0-4 are the trits of qs[0:32]; 5-7 pair the 16-weight trits of qs[32:48], the last
+    with qh's 16 weights (byte i's trit k is weight 240 + 4k + i)."""
+    b = e.b
+    low = e.load(blk, 0, _V32I8)
+    for k in range(5):
+        yield e.chunk_index(c0, k), _trits(e, low, 3**k), 1, _ONE, None
+    mid = e.load(blk, 32, _V16I8)
+    halves = [_trits(e, mid, 3**k) for k in range(5)]
+    qh = e.load(blk, 48, ir.VectorType(_I8, 4))
+    spread = b.shuffle_vector(qh, qh, ir.Constant(_V16I32, [0, 1, 2, 3] * 4))
+    halves.append(_trits(e, spread, [3**k for k in range(4) for _ in range(4)]))
+    for j in range(3):
+        u = e.concat(halves[2 * j], halves[2 * j + 1])
+        yield e.chunk_index(c0, 5 + j), u, 1, _ONE, None
+    yield BlockEnd(c0, e.f16(blk, 52))
 
 
 # ---- the types, as the kernels see them
