@@ -47,7 +47,7 @@ from numba.core import config as numba_config
 from numba.extending import intrinsic
 
 from .activations import q8_scale, round_f16
-from .iquants import KVALUES_IQ4NL
+from .iquants import IQ3S_GRID, KVALUES_IQ4NL
 from .kernels import SOURCE_KEY, depends_on
 
 
@@ -97,6 +97,15 @@ def _splat(vec_type, value):
 
 
 SIGNED = -1  # the `offset` of a chunk of int8 weights (Q8_0)
+
+
+class Signs:
+    """The `offset` of a chunk of unsigned levels whose weights carry a sign of their own (the
+    grid types): `mask` <32 x i8> is -1 where the weight is negative, 1 elsewhere; the
+    activations are negated there (vpsignb) before the dot product, as ggml does."""
+
+    def __init__(self, mask):
+        self.mask = mask
 
 
 PER_BLOCK = "per block"  # the `scale` of a chunk of a group: its own scale comes at GroupEnd
@@ -231,7 +240,10 @@ class _Emitter:
             return
         x = self.load(self.xq, b.mul(c, ir.Constant(c.type, 32)), _V8I32)
         init = ir.Constant(_V8I32, None)
-        if offset == SIGNED and INSTRUCTION_SET == "avx2":
+        if isinstance(offset, Signs):  # levels < 128: exact in either instruction set
+            x = self.sign(b.bitcast(x, _V32I8), offset.mask)
+            isum = self.dot(init, u, x)
+        elif offset == SIGNED and INSTRUCTION_SET == "avx2":
             # ggml's sign trick: |w| * (x with w's sign), |w| <= 128 keeps the pairs in int16
             x = b.bitcast(x, _V32I8)
             isum = self.dot(ir.Constant(_V8I32, None), self.sign(u, u), self.sign(x, u))
@@ -314,6 +326,29 @@ class _Emitter:
             halves = self.b.insert_element(halves, value, ir.Constant(_I32, k))
         halves = self.b.bitcast(halves, ir.VectorType(ir.HalfType(), 8))
         return self.b.fpext(halves, _V8F32)
+
+    def table(self, name, values):
+        """A constant global i32 array of this module (one per module, by name)."""
+        module = self.b.module
+        if name not in module.globals:
+            table_type = ir.ArrayType(_I32, len(values))
+            table = ir.GlobalVariable(module, table_type, name)
+            table.linkage, table.global_constant = "internal", True
+            table.initializer = ir.Constant(table_type, [int(v) for v in values])
+        return module.globals[name]
+
+    def gather(self, table, indices):
+        """<8 x i32>: table[indices[k]] (vpgatherdd)."""
+        base = self.b.bitcast(table, _I8.as_pointer())
+        ones = _splat(_V8I32, -1)
+        scale = ir.Constant(_I8, 4)
+        args = (ir.Constant(_V8I32, None), base, indices, ones, scale)
+        return self._intrinsic("llvm.x86.avx2.gather.d.d.256", _V8I32, *args)
+
+    def sign_mask(self, bits32):
+        """<32 x i8>: -1 where bit k of the i32 bits32 is set, 1 elsewhere."""
+        mask = self.b.bitcast(bits32, ir.VectorType(ir.IntType(1), 32))
+        return self.b.select(mask, _splat(_V32I8, -1), _splat(_V32I8, 1))
 
     def lane_sums(self, c):
         """<8 x i32>: the sums of the 4 activation quants of each lane of chunk c."""
@@ -700,6 +735,35 @@ def _iq4_xs(e, blk, c0):
         ls = b.or_(b.and_(low, ir.Constant(_I32, 15)), b.shl(high, ir.Constant(_I32, 4)))
         u, offset = _iq4_levels(e, e.load(blk, 8 + 16 * j, _V16I8))
         yield e.chunk_index(c0, j), u, offset, b.sub(ls, ir.Constant(_I32, 32)), None
+    yield BlockEnd(c0, e.f16(blk, 0))
+
+
+# ---- grid types: indices into ggml's tables of 4 levels, a sign bit per weight
+
+
+def _iq3_s(e, blk, c0):
+    """d f16 | qs[64] | qh[8] | signs[32] | scales[4]: w = d * (1 + 2 * scale) * level * sign
+    (see iquants.py). Per 32 weights: 8 9-bit grid indices -> one vpgatherdd of 8 x 4 levels,
+    the 32 sign bits -> the activations' signs; the scales 1 + 2 * scale stay integers to the
+    block's end, as in ggml's vec_dot_iq3_s_q8_K."""
+    b = e.b
+    table = e.table("iq3s_grid", IQ3S_GRID.view("<u4").reshape(-1))
+    bit_of = ir.Constant(_V8I32, list(range(8)))
+    for j in range(8):
+        low = b.zext(e.load(blk, 2 + 8 * j, ir.VectorType(_I8, 8)), _V8I32)
+        qh = b.zext(e.load(blk, 66 + j, _I8), _I32)
+        splat = b.shuffle_vector(
+            b.insert_element(ir.Constant(_V8I32, None), qh, ir.Constant(_I32, 0)),
+            ir.Constant(_V8I32, None),
+            ir.Constant(_V8I32, [0] * 8),
+        )
+        high = b.shl(b.and_(b.lshr(splat, bit_of), _splat(_V8I32, 1)), _splat(_V8I32, 8))
+        levels = b.bitcast(e.gather(table, b.or_(low, high)), _V32I8)
+        signs = Signs(e.sign_mask(e.load(blk, 74 + 4 * j, _I32)))
+        scale = b.and_(b.lshr(e.byte(blk, 106 + j // 2), ir.Constant(_I32, 4 * (j % 2))),
+                       ir.Constant(_I32, 15))  # fmt: skip
+        odd = b.add(b.shl(scale, ir.Constant(_I32, 1)), ir.Constant(_I32, 1))
+        yield e.chunk_index(c0, j), levels, signs, odd, None
     yield BlockEnd(c0, e.f16(blk, 0))
 
 

@@ -6,6 +6,8 @@ Layouts (little-endian, from ggml-common.h / gguf-py quants.py):
     IQ4_XS  136 B per 256: d f16 | scales_h u16 | scales_l[4] | qs[128] 4-bit
                             w = d * (ls - 32) * KVALUES_IQ4NL[q] per 32 weights, ls 6 bits:
                             low 4 in nibble j % 2 of scales_l[j // 2], high 2 at bit 2j of scales_h
+    IQ3_S   110 B per 256: d f16 | qs[64] | qh[8] | signs[32] | scales[4]
+                            w = d * (1 + 2 * scale) * IQ3S_GRID[index][t] * sign, see below
 
 In a 32-weight block (IQ4_NL) or sub-block j (IQ4_XS, bytes qs[16j:16j + 16]), weight i < 16
 is the low nibble of byte i and weight 16 + i its high nibble, as in Q4_0.
@@ -113,4 +115,69 @@ def matvec_iq4_xs(w, x, out):
                     q = wr[q_at + i]
                     acc[i] += dl * _LEVELS[q & 15] * x[e + i]
                     acc[i + 16] += dl * _LEVELS[q >> 4] * x[e + i + 16]
+        out[r] = acc.sum()
+
+
+# ---- IQ3_S: 9-bit indices into a grid of 512 x 4 odd levels, a sign bit per weight ----
+
+
+def _iq3s_grid() -> np.ndarray:
+    """ggml's iq3s_grid as uint8[512, 4]: entry i holds the levels (1, 3, .., 15) of 4 weights.
+    gguf-py carries the table (packed, as hex); the GGUF blocks index it."""
+    from gguf.quants import IQ3_S
+
+    IQ3_S.init_grid()
+    return np.ascontiguousarray(IQ3_S.grid.reshape(512, 4).astype(np.uint8))
+
+
+IQ3S_GRID = _iq3s_grid()
+_IQ3S_LEVELS = IQ3S_GRID.astype(np.float32)  # a constant array in the compiled code
+
+
+@njit(cache=True)
+def _iq3_s_weight(row, o, db, j, k):
+    """Weight k (< 32) of sub-block j of the IQ3_S block at row[o], its scale db applied:
+    (db * level) * sign, gguf-py's order (a multiply, not a negation: NaNs stay as numpy has
+    them)."""
+    m = 8 * j + (k >> 2)  # its grid index: qs[m] and bit m % 8 of qh[j] as bit 8
+    index = np.int32(row[o + 2 + m]) | (((np.int32(row[o + 66 + j]) >> (k >> 2)) & 1) << 8)
+    w = 32 * j + k
+    negative = (row[o + 74 + (w >> 3)] >> (w & 7)) & 1
+    return db * _IQ3S_LEVELS[index, k & 3] * (np.float32(-1.0) if negative else np.float32(1.0))
+
+
+@njit
+def dequantize_row_iq3_s(row, out):
+    """IQ3_S row uint8[n_cols // 256 * 110] -> out float32[n_cols]. Block: d f16 | qs[64] (low 8
+    bits of the grid indices) | qh[8] (their 9th bits) | signs[32] | scales[4] (4 bits per 32
+    weights): w = d * (1 + 2 * scale) * level * sign."""
+    for b in range(out.shape[0] // QK_K):
+        o = b * 110
+        d = load_f16(row, o)
+        for j in range(8):
+            scale = (np.int32(row[o + 106 + (j >> 1)]) >> (4 * (j & 1))) & 15
+            db = d * np.float32(1 + 2 * scale)
+            for k in range(32):
+                out[b * QK_K + 32 * j + k] = _iq3_s_weight(row, o, db, j, k)
+
+
+@njit(parallel=True, cache=True)
+def matvec_iq3_s(w, x, out):
+    """out[n_rows] = dequant(w)[n_rows, n_cols] @ x[n_cols] (the float path: a lookup per weight,
+    for CPUs without the integer kernels)."""
+    check_shapes(w, x, out, QK_K, 110)
+    n_rows, row_bytes = w.shape
+    for r in prange(n_rows):
+        wr = w[r]
+        acc = np.empty(32, np.float32)  # hoisted: one per thread
+        acc[:] = 0.0
+        for b in range(row_bytes // 110):
+            o = b * 110
+            d = load_f16(wr, o)
+            for j in range(8):
+                scale = (np.int32(wr[o + 106 + (j >> 1)]) >> (4 * (j & 1))) & 15
+                db = d * np.float32(1 + 2 * scale)
+                e = b * QK_K + 32 * j
+                for k in range(32):
+                    acc[k] += _iq3_s_weight(wr, o, db, j, k) * x[e + k]
         out[r] = acc.sum()
