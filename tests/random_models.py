@@ -643,12 +643,25 @@ def longrope_attn_factor(context_length: int, original_ctx: int) -> float:
 # ---- the file ----
 
 
-def write_case(case: Case, path: str | Path, drop: tuple[str, ...] = ()) -> None:
-    """Write the case's GGUF file (tensors named in `drop` left out, for error tests)."""
+def case_weights(case: Case) -> dict[str, tuple[str, np.ndarray]]:
+    """name -> (GGML type name, float32 array in numpy order (n_out, n_in)): what write_case
+    writes for the case, before its types are applied."""
+    return _weights(case, np.random.default_rng(case.seed))
+
+
+def write_case(
+    case: Case,
+    path: str | Path,
+    drop: tuple[str, ...] = (),
+    quantized: Mapping[str, tuple[str, np.ndarray]] | None = None,
+    file_type: int = gguf.LlamaFileType.MOSTLY_F16,
+) -> None:
+    """Write the case's GGUF file (tensors named in `drop` left out, for error tests; those in
+    `quantized`, name -> (GGML type name, raw uint8 rows), written as given, with `file_type`:
+    scripts/make-quant-references quantizes with llama.cpp's quantizer itself)."""
     c = case
-    rng = np.random.default_rng(c.seed)
     vocab = vocabulary(c.tokenizer)
-    tensors = _weights(c, rng)
+    tensors = case_weights(c)
     writer = gguf.GGUFWriter(str(path), c.arch)
     writer.add_name(c.name)
     writer.add_context_length(c.context_length)
@@ -691,7 +704,7 @@ def write_case(case: Case, path: str | Path, drop: tuple[str, ...] = ()) -> None
         if c.longrope_original_ctx:  # generate_extra_tensors, for a long_factor config
             attn_factor = longrope_attn_factor(c.context_length, c.longrope_original_ctx)
             writer.add_rope_scaling_attn_factors(attn_factor)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_file_type(file_type)
     if c.softcaps is not None:  # Gemma2Model.set_gguf_parameters
         writer.add_attn_logit_softcapping(c.softcaps[0])
         writer.add_final_logit_softcapping(c.softcaps[1])
@@ -704,6 +717,10 @@ def write_case(case: Case, path: str | Path, drop: tuple[str, ...] = ()) -> None
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for name, (type_name, array) in tensors.items():
         if name in drop:
+            continue
+        if quantized is not None and name in quantized:
+            type_name, raw = quantized[name]
+            writer.add_tensor(name, raw, raw_dtype=GGMLQuantizationType[type_name])
             continue
         qtype = GGMLQuantizationType[type_name]
         if qtype == GGMLQuantizationType.F32:

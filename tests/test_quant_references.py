@@ -2,7 +2,8 @@
 (tests/fixtures/quants/).
 
 scripts/make-quant-references quantized random_models.QUANT_BASE (F16, dim 512) to each llama.cpp
-file type with `llama_model_quantize` and recorded llama.cpp's greedy continuation, top-5 logits
+file type with `llama_model_quantize` (or, for types that need an importance matrix, tensor by
+tensor with ggml's `ggml_quantize_chunk`) and recorded llama.cpp's greedy continuation, top-5 logits
 and last logits; the comparison is test_architectures' (llama_cpp_compare.py; this test needs
 neither llama.cpp nor the builder to run). Every matrix is of the file's type but the tied
 embeddings (Q6_K) and, in the IQ files, attn_v (llama.cpp's mix makes it Q5_K or Q4_K).
@@ -25,7 +26,7 @@ from localllm.quants import QUANT_TYPES, intdot
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "quants"
 FILE_TYPES = sorted(path.stem for path in FIXTURES.glob("*.json"))
 # Logit tolerance: test_architectures' for quantized weights. Measured at most 0.26 (IQ4, the
-# integer kernels, ggml's arithmetic), 0.29 (IQ4, the float kernels), 0.45 (IQ3_S) and 0.46 (TQ,
+# integer kernels, ggml's arithmetic), 0.29 (IQ4, the float kernels), 0.45 (IQ3) and 0.46 (TQ,
 # after the 100-token prefill): the activations localllm and llama.cpp compute differ in the last
 # float bits (norms, SiLU, softmax), and where such a value sits on a rounding boundary of its
 # 8-bit activation block it flips a level, which this sharp model amplifies (the F16 base model

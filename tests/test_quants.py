@@ -48,7 +48,7 @@ def assert_close(ours: np.ndarray, w: np.ndarray, x: np.ndarray, rtol: float = 1
 
 
 def test_registry_matches_gguf_block_sizes():
-    assert len(QUANT_TYPES) == 19
+    assert len(QUANT_TYPES) == 20
     for ggml_type, qt in QUANT_TYPES.items():
         gtype = GGMLQuantizationType(ggml_type)
         assert qt.ggml_type == ggml_type and qt.name == gtype.name

@@ -93,6 +93,7 @@ QUANT_TYPES: dict[int, QuantType] = {
         _record(13, "Q5_K", 256, 176, Q8_K, kquants, intdot._q5_k),
         _record(14, "Q6_K", 256, 210, Q8_K, kquants, intdot._q6_k),
         _record(20, "IQ4_NL", 32, 18, Q8_0, iquants, intdot._iq4_nl, cuda=False),
+        _record(18, "IQ3_XXS", 256, 98, Q8_K, iquants, intdot._iq3_xxs, cuda=False),
         _record(21, "IQ3_S", 256, 110, Q8_K, iquants, intdot._iq3_s, cuda=False),
         _record(23, "IQ4_XS", 256, 136, Q8_K, iquants, intdot._iq4_xs, cuda=False),
         _record(34, "TQ1_0", 256, 54, Q8_K, ternary, intdot._tq1_0, cuda=False),

@@ -47,7 +47,7 @@ from numba.core import config as numba_config
 from numba.extending import intrinsic
 
 from .activations import q8_scale, round_f16
-from .iquants import IQ3S_GRID, KVALUES_IQ4NL
+from .iquants import IQ3S_GRID, IQ3XXS_GRID, KVALUES_IQ4NL
 from .kernels import SOURCE_KEY, depends_on
 
 
@@ -740,6 +740,8 @@ def _iq4_xs(e, blk, c0):
 
 # ---- grid types: indices into ggml's tables of 4 levels, a sign bit per weight
 
+_ONE = ir.Constant(_I32, 1)
+
 
 def _iq3_s(e, blk, c0):
     """d f16 | qs[64] | qh[8] | signs[32] | scales[4]: w = d * (1 + 2 * scale) * level * sign
@@ -767,9 +769,33 @@ def _iq3_s(e, blk, c0):
     yield BlockEnd(c0, e.f16(blk, 0))
 
 
-# ---- ternary: w = d * (q - 1), q in 0..2, one scale per 256 weights (integer sums to the end)
+def _iq3_xxs(e, blk, c0):
+    """d f16 | qs[64] | 8 x u32 (4 x 7 sign bits, scale s in bits 28-31): w = d * (2s + 1) / 4 *
+    level * sign (see iquants.py). Per 32 weights: one vpgatherdd of 8 grid entries; the 4
+    sign bytes (7 bits and their parity, vpopcntd) as one 32-bit mask; 2s + 1 an integer to the
+    block's end, the 1/4 on d, as in ggml's vec_dot_iq3_xxs_q8_K."""
+    b = e.b
+    table = e.table("iq3xxs_grid", IQ3XXS_GRID.view("<u4").reshape(-1))
+    v4 = ir.VectorType(_I32, 4)
+    for j in range(8):
+        indices = b.zext(e.load(blk, 2 + 8 * j, ir.VectorType(_I8, 8)), _V8I32)
+        levels = b.bitcast(e.gather(table, indices), _V32I8)
+        aux = e.load(blk, 66 + 4 * j, _I32)
+        fields = b.shuffle_vector(
+            b.insert_element(ir.Constant(v4, None), aux, ir.Constant(_I32, 0)),
+            ir.Constant(v4, None),
+            ir.Constant(v4, [0] * 4),
+        )
+        fields = b.and_(b.lshr(fields, ir.Constant(v4, [0, 7, 14, 21])), _splat(v4, 127))
+        parity = b.and_(e._intrinsic("llvm.ctpop.v4i32", v4, fields), _splat(v4, 1))
+        signs = b.or_(fields, b.shl(parity, _splat(v4, 7)))  # ggml's ksigns_iq2xs
+        mask = b.bitcast(b.trunc(signs, ir.VectorType(_I8, 4)), _I32)
+        odd = b.or_(b.shl(b.lshr(aux, ir.Constant(_I32, 28)), _ONE), _ONE)
+        yield e.chunk_index(c0, j), levels, Signs(e.sign_mask(mask)), odd, None
+    yield BlockEnd(c0, e.b.fmul(e.f16(blk, 0), ir.Constant(_F32, 0.25)))
 
-_ONE = ir.Constant(_I32, 1)
+
+# ---- ternary: w = d * (q - 1), q in 0..2, one scale per 256 weights (integer sums to the end)
 
 
 def _tq2_0(e, blk, c0):

@@ -181,3 +181,85 @@ def matvec_iq3_s(w, x, out):
                 for k in range(32):
                     acc[k] += _iq3_s_weight(wr, o, db, j, k) * x[e + k]
         out[r] = acc.sum()
+
+
+# ---- IQ3_XXS: 8-bit indices into a grid of 256 x 4 levels, 7 sign bits per 8 weights ----
+
+
+def _iq3xxs_grid() -> np.ndarray:
+    """ggml's iq3xxs_grid as uint8[256, 4] (levels 4..62), from gguf-py's packed table."""
+    from gguf.quants import IQ3_XXS
+
+    IQ3_XXS.init_grid()
+    return np.ascontiguousarray(IQ3_XXS.grid.reshape(256, 4).astype(np.uint8))
+
+
+IQ3XXS_GRID = _iq3xxs_grid()
+_IQ3XXS_LEVELS = IQ3XXS_GRID.astype(np.float32)
+
+
+@njit(cache=True)
+def ksign(index):
+    """ggml's ksigns_iq2xs[index]: 7 stored sign bits and their parity as the 8th (an even
+    number of the 8 weights is negative)."""
+    parity = index ^ (index >> 4)
+    parity ^= parity >> 2
+    parity ^= parity >> 1
+    return index | ((parity & 1) << 7)
+
+
+@njit(cache=True)
+def _u32(row, offset):
+    return (
+        np.int64(row[offset])
+        | (np.int64(row[offset + 1]) << 8)
+        | (np.int64(row[offset + 2]) << 16)
+        | (np.int64(row[offset + 3]) << 24)
+    )
+
+
+@njit(cache=True)
+def _iq3_xxs_weight(row, o, db, aux, j, k):
+    """Weight k (< 32) of sub-block j of the IQ3_XXS block at row[o], its scale db applied:
+    (db * level) * sign, gguf-py's order. Weight 8l + t takes its sign from bit t of
+    ksign(bits 7l.. of aux), its level from grid entry qs[8j + k // 4]."""
+    index = np.int32(row[o + 2 + 8 * j + (k >> 2)])
+    signs = ksign(np.int32((aux >> (7 * (k >> 3))) & 127))
+    negative = (signs >> (k & 7)) & 1
+    return db * _IQ3XXS_LEVELS[index, k & 3] * (np.float32(-1.0) if negative else np.float32(1.0))
+
+
+@njit
+def dequantize_row_iq3_xxs(row, out):
+    """IQ3_XXS row uint8[n_cols // 256 * 98] -> out float32[n_cols]. Block: d f16 | qs[64] (grid
+    indices) | 8 x u32 (per 32 weights: 4 x 7 sign bits, a 4-bit scale s in bits 28-31):
+    w = d * (0.5 + s) * 0.5 * level * sign."""
+    for b in range(out.shape[0] // QK_K):
+        o = b * 98
+        d = load_f16(row, o)
+        for j in range(8):
+            aux = _u32(row, o + 66 + 4 * j)
+            db = d * (np.float32(0.5) + np.float32(aux >> 28)) * np.float32(0.5)
+            for k in range(32):
+                out[b * QK_K + 32 * j + k] = _iq3_xxs_weight(row, o, db, aux, j, k)
+
+
+@njit(parallel=True, cache=True)
+def matvec_iq3_xxs(w, x, out):
+    """out[n_rows] = dequant(w)[n_rows, n_cols] @ x[n_cols] (the float path)."""
+    check_shapes(w, x, out, QK_K, 98)
+    n_rows, row_bytes = w.shape
+    for r in prange(n_rows):
+        wr = w[r]
+        acc = np.empty(32, np.float32)  # hoisted: one per thread
+        acc[:] = 0.0
+        for b in range(row_bytes // 98):
+            o = b * 98
+            d = load_f16(wr, o)
+            for j in range(8):
+                aux = _u32(wr, o + 66 + 4 * j)
+                db = d * (np.float32(0.5) + np.float32(aux >> 28)) * np.float32(0.5)
+                e = b * QK_K + 32 * j
+                for k in range(32):
+                    acc[k] += _iq3_xxs_weight(wr, o, db, aux, j, k) * x[e + k]
+        out[r] = acc.sum()
