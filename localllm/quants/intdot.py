@@ -47,7 +47,14 @@ from numba.core import config as numba_config
 from numba.extending import intrinsic
 
 from .activations import q8_scale, round_f16
-from .iquants import IQ3S_GRID, IQ3XXS_GRID, KVALUES_IQ4NL
+from .iquants import (
+    IQ2S_GRID,
+    IQ2XS_GRID,
+    IQ2XXS_GRID,
+    IQ3S_GRID,
+    IQ3XXS_GRID,
+    KVALUES_IQ4NL,
+)
 from .kernels import SOURCE_KEY, depends_on
 
 
@@ -87,6 +94,8 @@ INSTRUCTION_SET = choose_instruction_set(_target_features(), host_features())
 AVAILABLE = INSTRUCTION_SET is not None
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+_I64 = ir.IntType(64)
+_V4I32 = ir.VectorType(_I32, 4)
 _V16I8, _V32I8 = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32)
 _V8I32, _V8F32 = ir.VectorType(_I32, 8), ir.VectorType(_F32, 8)
 _V16I32 = ir.VectorType(_I32, 16)
@@ -327,11 +336,11 @@ class _Emitter:
         halves = self.b.bitcast(halves, ir.VectorType(ir.HalfType(), 8))
         return self.b.fpext(halves, _V8F32)
 
-    def table(self, name, values):
-        """A constant global i32 array of this module (one per module, by name)."""
+    def table(self, name, values, element=_I32):
+        """A constant global array of this module (one per module, by name)."""
         module = self.b.module
         if name not in module.globals:
-            table_type = ir.ArrayType(_I32, len(values))
+            table_type = ir.ArrayType(element, len(values))
             table = ir.GlobalVariable(module, table_type, name)
             table.linkage, table.global_constant = "internal", True
             table.initializer = ir.Constant(table_type, [int(v) for v in values])
@@ -344,6 +353,13 @@ class _Emitter:
         scale = ir.Constant(_I8, 4)
         args = (ir.Constant(_V8I32, None), base, indices, ones, scale)
         return self._intrinsic("llvm.x86.avx2.gather.d.d.256", _V8I32, *args)
+
+    def gather64(self, table, indices):
+        """<4 x i64>: table[indices[k]] for <4 x i32> indices (vpgatherdq)."""
+        base = self.b.bitcast(table, _I8.as_pointer())
+        v4i64 = ir.VectorType(_I64, 4)
+        args = (ir.Constant(v4i64, None), base, indices, _splat(v4i64, -1), ir.Constant(_I8, 8))
+        return self._intrinsic("llvm.x86.avx2.gather.d.q.256", v4i64, *args)
 
     def sign_mask(self, bits32):
         """<32 x i8>: -1 where bit k of the i32 bits32 is set, 1 elsewhere."""
@@ -769,6 +785,32 @@ def _iq3_s(e, blk, c0):
     yield BlockEnd(c0, e.f16(blk, 0))
 
 
+def _splat4(e, value):
+    """<4 x i32> of an i32."""
+    one = e.b.insert_element(ir.Constant(_V4I32, None), value, ir.Constant(_I32, 0))
+    return e.b.shuffle_vector(one, ir.Constant(_V4I32, None), ir.Constant(_V4I32, [0] * 4))
+
+
+def _ksigns(e, fields):
+    """Signs of 32 weights from 4 lanes of 7 sign bits (the low 7 bits of each lane of <4 x i32>
+    fields, 8 weights each): the 8th bit is their parity (ggml's ksigns_iq2xs, vpopcntd)."""
+    b = e.b
+    fields = b.and_(fields, _splat(_V4I32, 127))
+    parity = b.and_(e._intrinsic("llvm.ctpop.v4i32", _V4I32, fields), _splat(_V4I32, 1))
+    signs = b.or_(fields, b.shl(parity, _splat(_V4I32, 7)))
+    return Signs(e.sign_mask(b.bitcast(b.trunc(signs, ir.VectorType(_I8, 4)), _I32)))
+
+
+def _odd_halves(e, byte):
+    """<8 x i32>: 2s + 1 of the low nibble s of byte in lanes 0-3 (weights 0-15 of a chunk), of
+    its high nibble in lanes 4-7."""
+    b = e.b
+    pair = b.insert_element(ir.Constant(ir.VectorType(_I32, 2), None), byte, ir.Constant(_I32, 0))
+    pair = b.shuffle_vector(pair, pair, ir.Constant(_V8I32, [0] * 8))
+    nibbles = b.and_(b.lshr(pair, ir.Constant(_V8I32, [0] * 4 + [4] * 4)), _splat(_V8I32, 15))
+    return b.or_(b.shl(nibbles, _splat(_V8I32, 1)), _splat(_V8I32, 1))
+
+
 def _iq3_xxs(e, blk, c0):
     """d f16 | qs[64] | 8 x u32 (4 x 7 sign bits, scale s in bits 28-31): w = d * (2s + 1) / 4 *
     level * sign (see iquants.py). Per 32 weights: one vpgatherdd of 8 grid entries; the 4
@@ -776,23 +818,64 @@ def _iq3_xxs(e, blk, c0):
     block's end, the 1/4 on d, as in ggml's vec_dot_iq3_xxs_q8_K."""
     b = e.b
     table = e.table("iq3xxs_grid", IQ3XXS_GRID.view("<u4").reshape(-1))
-    v4 = ir.VectorType(_I32, 4)
     for j in range(8):
         indices = b.zext(e.load(blk, 2 + 8 * j, ir.VectorType(_I8, 8)), _V8I32)
         levels = b.bitcast(e.gather(table, indices), _V32I8)
         aux = e.load(blk, 66 + 4 * j, _I32)
-        fields = b.shuffle_vector(
-            b.insert_element(ir.Constant(v4, None), aux, ir.Constant(_I32, 0)),
-            ir.Constant(v4, None),
-            ir.Constant(v4, [0] * 4),
-        )
-        fields = b.and_(b.lshr(fields, ir.Constant(v4, [0, 7, 14, 21])), _splat(v4, 127))
-        parity = b.and_(e._intrinsic("llvm.ctpop.v4i32", v4, fields), _splat(v4, 1))
-        signs = b.or_(fields, b.shl(parity, _splat(v4, 7)))  # ggml's ksigns_iq2xs
-        mask = b.bitcast(b.trunc(signs, ir.VectorType(_I8, 4)), _I32)
+        fields = b.lshr(_splat4(e, aux), ir.Constant(_V4I32, [0, 7, 14, 21]))
         odd = b.or_(b.shl(b.lshr(aux, ir.Constant(_I32, 28)), _ONE), _ONE)
-        yield e.chunk_index(c0, j), levels, Signs(e.sign_mask(mask)), odd, None
+        yield e.chunk_index(c0, j), levels, _ksigns(e, fields), odd, None
     yield BlockEnd(c0, e.b.fmul(e.f16(blk, 0), ir.Constant(_F32, 0.25)))
+
+
+def _iq2_grid_table(e, name, grid):
+    return e.table(name, grid.view("<u8").reshape(-1), _I64)
+
+
+def _iq2_xxs(e, blk, c0):
+    """d f16 | 8 x (u32 of 4 grid indices, u32 of 4 x 7 sign bits and a scale s in bits 28-31):
+    w = d * (2s + 1) / 8 * level * sign. Per 32 weights one vpgatherdq of 4 grid entries of 8
+    levels; as ggml's vec_dot_iq2_xxs_q8_K."""
+    b = e.b
+    table = _iq2_grid_table(e, "iq2xxs_grid", IQ2XXS_GRID)
+    for j in range(8):
+        indices = b.zext(e.load(blk, 2 + 8 * j, ir.VectorType(_I8, 4)), _V4I32)
+        levels = b.bitcast(e.gather64(table, indices), _V32I8)
+        aux = e.load(blk, 6 + 8 * j, _I32)
+        fields = b.lshr(_splat4(e, aux), ir.Constant(_V4I32, [0, 7, 14, 21]))
+        odd = b.or_(b.shl(b.lshr(aux, ir.Constant(_I32, 28)), _ONE), _ONE)
+        yield e.chunk_index(c0, j), levels, _ksigns(e, fields), odd, None
+    yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(_F32, 0.125)))
+
+
+def _iq2_xs(e, blk, c0):
+    """d f16 | qs u16[32] (9-bit grid index | 7 sign bits << 9, per 8 weights) | scales[8] (4
+    bits per 16 weights): w = d * (2s + 1) / 8 * level * sign."""
+    b = e.b
+    table = _iq2_grid_table(e, "iq2xs_grid", IQ2XS_GRID)
+    for j in range(8):
+        q = b.zext(e.load(blk, 2 + 8 * j, ir.VectorType(_I16, 4)), _V4I32)
+        levels = b.bitcast(e.gather64(table, b.and_(q, _splat(_V4I32, 511))), _V32I8)
+        signs = _ksigns(e, b.lshr(q, _splat(_V4I32, 9)))
+        yield e.chunk_index(c0, j), levels, signs, _odd_halves(e, e.byte(blk, 66 + j)), None
+    yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(_F32, 0.125)))
+
+
+def _iq2_s(e, blk, c0):
+    """d f16 | qs[32] | signs[32] | qh[8] | scales[8]: per 8 weights a 10-bit grid index (qs,
+    2 bits of qh), a sign bit per weight, 4-bit scales per 16: w = d * (2s + 1) / 8 * level *
+    sign."""
+    b = e.b
+    table = _iq2_grid_table(e, "iq2s_grid", IQ2S_GRID)
+    for j in range(8):
+        low = b.zext(e.load(blk, 2 + 4 * j, ir.VectorType(_I8, 4)), _V4I32)
+        qh = _splat4(e, e.byte(blk, 66 + j))
+        high = b.and_(b.lshr(qh, ir.Constant(_V4I32, [0, 2, 4, 6])), _splat(_V4I32, 3))
+        indices = b.or_(low, b.shl(high, _splat(_V4I32, 8)))
+        levels = b.bitcast(e.gather64(table, indices), _V32I8)
+        signs = Signs(e.sign_mask(e.load(blk, 34 + 4 * j, _I32)))
+        yield e.chunk_index(c0, j), levels, signs, _odd_halves(e, e.byte(blk, 74 + j)), None
+    yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(_F32, 0.125)))
 
 
 # ---- ternary: w = d * (q - 1), q in 0..2, one scale per 256 weights (integer sums to the end)

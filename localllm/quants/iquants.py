@@ -263,3 +263,149 @@ def matvec_iq3_xxs(w, x, out):
                 for k in range(32):
                     acc[k] += _iq3_xxs_weight(wr, o, db, aux, j, k) * x[e + k]
         out[r] = acc.sum()
+
+
+# ---- IQ2_XXS, IQ2_XS, IQ2_S: indices into grids of 8 levels (8, 25, 43), sign bits ----
+
+
+def _grid8(name: str, n: int) -> np.ndarray:
+    """ggml's iq2xxs_grid (256), iq2xs_grid (512) or iq2s_grid (1024) as uint8[n, 8]."""
+    from gguf import quants
+
+    cls = getattr(quants, name)
+    cls.init_grid()
+    return np.ascontiguousarray(cls.grid.reshape(n, 8).astype(np.uint8))
+
+
+IQ2XXS_GRID, IQ2XS_GRID, IQ2S_GRID = (
+    _grid8("IQ2_XXS", 256),
+    _grid8("IQ2_XS", 512),
+    _grid8("IQ2_S", 1024),
+)
+_IQ2XXS_LEVELS, _IQ2XS_LEVELS, _IQ2S_LEVELS = (
+    IQ2XXS_GRID.astype(np.float32),
+    IQ2XS_GRID.astype(np.float32),
+    IQ2S_GRID.astype(np.float32),
+)
+
+
+@njit(cache=True)
+def _signed(value, signs, t):
+    """value * (-1 if bit t of signs else 1): a multiply, as in gguf-py (NaNs keep their sign)."""
+    return value * (np.float32(-1.0) if (signs >> t) & 1 else np.float32(1.0))
+
+
+@njit(cache=True)
+def _iq2_xxs_weights(row, o, j, out, e):
+    """The 32 weights of sub-block j of the IQ2_XXS block at row[o] into out[e:e + 32]. Per 32
+    weights: u32 of 4 grid indices, u32 of 4 x 7 sign bits (ksign) and a 4-bit scale s (bits
+    28-31): w = d * (0.5 + s) * 0.25 * level * sign."""
+    d = load_f16(row, o)
+    aux = _u32(row, o + 2 + 8 * j + 4)
+    db = d * (np.float32(0.5) + np.float32(aux >> 28)) * np.float32(0.25)
+    for k in range(32):
+        index = np.int32(row[o + 2 + 8 * j + (k >> 3)])
+        signs = ksign(np.int32((aux >> (7 * (k >> 3))) & 127))
+        out[e + k] = _signed(db * _IQ2XXS_LEVELS[index, k & 7], signs, k & 7)
+
+
+@njit(cache=True)
+def _iq2_xs_weights(row, o, j, out, e):
+    """IQ2_XS (d f16 | qs u16[32] | scales[8]): per 8 weights a u16 of a 9-bit grid index and
+    7 sign bits (ksign), per 16 a 4-bit scale s: w = d * (0.5 + s) * 0.25 * level * sign."""
+    d = load_f16(row, o)
+    for k in range(32):
+        g = 4 * j + (k >> 3)  # the u16 of these 8 weights
+        q = np.int32(row[o + 2 + 2 * g]) | (np.int32(row[o + 3 + 2 * g]) << 8)
+        s = (np.int32(row[o + 66 + j]) >> (4 * (k >> 4))) & 15
+        db = d * (np.float32(0.5) + np.float32(s)) * np.float32(0.25)
+        out[e + k] = _signed(db * _IQ2XS_LEVELS[q & 511, k & 7], ksign(q >> 9), k & 7)
+
+
+@njit(cache=True)
+def _iq2_s_weights(row, o, j, out, e):
+    """IQ2_S (d f16 | qs[32] | signs[32] | qh[8] | scales[8]): per 8 weights a 10-bit grid index
+    (qs, and 2 bits of qh), a sign bit per weight, per 16 a 4-bit scale s:
+    w = d * (0.5 + s) * 0.25 * level * sign."""
+    d = load_f16(row, o)
+    for k in range(32):
+        g = 4 * j + (k >> 3)
+        high = (np.int32(row[o + 66 + j]) >> (2 * (k >> 3))) & 3
+        index = np.int32(row[o + 2 + g]) | (high << 8)
+        s = (np.int32(row[o + 74 + j]) >> (4 * (k >> 4))) & 15
+        db = d * (np.float32(0.5) + np.float32(s)) * np.float32(0.25)
+        signs = np.int32(row[o + 34 + 4 * j + (k >> 3)])
+        out[e + k] = _signed(db * _IQ2S_LEVELS[index, k & 7], signs, k & 7)
+
+
+@njit(cache=True)
+def _grid8_chunk(kind, row, o, j, out, e):
+    """The 32 weights of sub-block j of the block at row[o], of type kind (0: IQ2_XXS, 1: IQ2_XS,
+    2: IQ2_S), into out[e:e + 32]. A branch per 32 weights, not a closure per type: kernels that
+    close over a compiled function are never found in Numba's cache again (see kernels.py)."""
+    if kind == 0:
+        _iq2_xxs_weights(row, o, j, out, e)
+    elif kind == 1:
+        _iq2_xs_weights(row, o, j, out, e)
+    else:
+        _iq2_s_weights(row, o, j, out, e)
+
+
+@njit(cache=True)
+def _dequantize_grid8(row, out, kind, type_size):
+    for b in range(out.shape[0] // QK_K):
+        for j in range(8):
+            _grid8_chunk(kind, row, b * type_size, j, out, b * QK_K + 32 * j)
+
+
+@njit(parallel=True, cache=True)
+def _matvec_grid8(w, x, out, kind, type_size):
+    check_shapes(w, x, out, QK_K, type_size)
+    n_rows, row_bytes = w.shape
+    for r in prange(n_rows):
+        wr = w[r]
+        chunk = np.empty(32, np.float32)  # hoisted: one per thread
+        acc = np.zeros(32, np.float32)
+        for b in range(row_bytes // type_size):
+            for j in range(8):
+                e = b * QK_K + 32 * j
+                _grid8_chunk(kind, wr, b * type_size, j, chunk, 0)
+                for k in range(32):
+                    acc[k] += chunk[k] * x[e + k]
+        out[r] = acc.sum()
+
+
+@njit
+def dequantize_row_iq2_xxs(row, out):
+    """IQ2_XXS row uint8[n_cols // 256 * 66] -> out float32[n_cols]."""
+    _dequantize_grid8(row, out, 0, 66)
+
+
+@njit
+def dequantize_row_iq2_xs(row, out):
+    """IQ2_XS row uint8[n_cols // 256 * 74] -> out float32[n_cols]."""
+    _dequantize_grid8(row, out, 1, 74)
+
+
+@njit
+def dequantize_row_iq2_s(row, out):
+    """IQ2_S row uint8[n_cols // 256 * 82] -> out float32[n_cols]."""
+    _dequantize_grid8(row, out, 2, 82)
+
+
+@njit(cache=True)
+def matvec_iq2_xxs(w, x, out):
+    """out[n_rows] = dequant(w)[n_rows, n_cols] @ x[n_cols] (the float path)."""
+    _matvec_grid8(w, x, out, 0, 66)
+
+
+@njit(cache=True)
+def matvec_iq2_xs(w, x, out):
+    """out[n_rows] = dequant(w)[n_rows, n_cols] @ x[n_cols] (the float path)."""
+    _matvec_grid8(w, x, out, 1, 74)
+
+
+@njit(cache=True)
+def matvec_iq2_s(w, x, out):
+    """out[n_rows] = dequant(w)[n_rows, n_cols] @ x[n_cols] (the float path)."""
+    _matvec_grid8(w, x, out, 2, 82)
