@@ -27,10 +27,15 @@ F16_FIELDS = {
     "IQ2_XXS": (0,),
     "IQ2_XS": (0,),
     "IQ2_S": (0,),
+    "IQ1_S": (0,),
     "TQ1_0": (52,),
     "TQ2_0": (64,),
 }
 
+
+# byte offsets of four uint16 whose top 4 bits hold one f16 scale, lowest nibble first (IQ1_M's
+# d beside its 3-bit scales)
+NIBBLE_F16_FIELDS = {"IQ1_M": (48,)}
 
 # byte offsets of E8M0 exponent fields (a scale of 2^(e - 128)), kept to scales near 1/64
 E8M0_FIELDS = {"MXFP4": (0,)}
@@ -45,6 +50,14 @@ def read_only(a: np.ndarray) -> np.ndarray:
     a = np.ascontiguousarray(a)
     a.flags.writeable = False
     return a
+
+
+def random_f16_scales(n_rows: int, n_blocks: int, rng, scale_range) -> np.ndarray:
+    """float16[n_rows, n_blocks] of finite scales, some zero and some subnormal."""
+    scales = rng.uniform(*scale_range, size=(n_rows, n_blocks)).astype(np.float16)
+    scales.flat[::17] = 0.0
+    scales.flat[5::23] = np.float16(3e-6)  # subnormal in f16
+    return scales
 
 
 def random_weights(name: str, n_rows: int, n_cols: int, rng, scale_range=(-0.05, 0.05)):
@@ -62,8 +75,11 @@ def random_weights(name: str, n_rows: int, n_cols: int, rng, scale_range=(-0.05,
     for offset in E8M0_FIELDS.get(name, ()):
         raw[:, :, offset] = rng.integers(118, 126, size=(n_rows, n_blocks), dtype=np.uint8)
     for offset in F16_FIELDS.get(name, ()):
-        scales = rng.uniform(*scale_range, size=(n_rows, n_blocks)).astype(np.float16)
-        scales.flat[::17] = 0.0
-        scales.flat[5::23] = np.float16(3e-6)  # subnormal in f16
+        scales = random_f16_scales(n_rows, n_blocks, rng, scale_range)
         raw[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(n_rows, n_blocks, 2)
+    for offset in NIBBLE_F16_FIELDS.get(name, ()):
+        bits = random_f16_scales(n_rows, n_blocks, rng, scale_range).view(np.uint16)
+        for i in range(4):  # the high nibble of each uint16's high byte
+            high = raw[:, :, offset + 2 * i + 1]
+            raw[:, :, offset + 2 * i + 1] = (high & 0x0F) | (((bits >> (4 * i)) & 0xF) << 4)
     return raw.reshape(n_rows, n_blocks * qt.type_size)

@@ -48,7 +48,7 @@ def assert_close(ours: np.ndarray, w: np.ndarray, x: np.ndarray, rtol: float = 1
 
 
 def test_registry_matches_gguf_block_sizes():
-    assert len(QUANT_TYPES) == 23
+    assert len(QUANT_TYPES) == 25
     for ggml_type, qt in QUANT_TYPES.items():
         gtype = GGMLQuantizationType(ggml_type)
         assert qt.ggml_type == ggml_type and qt.name == gtype.name
@@ -58,7 +58,7 @@ def test_registry_matches_gguf_block_sizes():
 
 @pytest.mark.parametrize(
     ("ggml_type", "expected"),
-    [(99, "99"), (19, "IQ1_S"), (int(GGMLQuantizationType.Q8_K), "Q8_K")],
+    [(99, "99"), (int(GGMLQuantizationType.Q8_K), "Q8_K")],
 )
 def test_unsupported_type_names_type_and_tensor(ggml_type, expected):
     with pytest.raises(LocalLLMError) as info:

@@ -48,6 +48,7 @@ from numba.extending import intrinsic
 
 from .activations import q8_scale, round_f16
 from .iquants import (
+    IQ1_GRID,
     IQ2S_GRID,
     IQ2XS_GRID,
     IQ2XXS_GRID,
@@ -205,6 +206,11 @@ class _Emitter:
         mask = self.b.bitcast(qh32, ir.VectorType(ir.IntType(1), 32))
         return self.b.select(mask, _splat(_V32I8, 16), ir.Constant(_V32I8, None))
 
+    def splat8i(self, value):
+        """An i32 broadcast to <8 x i32>."""
+        one = self.b.insert_element(ir.Constant(_V8I32, None), value, ir.Constant(_I32, 0))
+        return self.b.shuffle_vector(one, ir.Constant(_V8I32, None), ir.Constant(_V8I32, [0] * 8))
+
     def splat8(self, value):
         """A float broadcast to <8 x float>."""
         one = self.b.insert_element(ir.Constant(_V8F32, None), value, ir.Constant(_I32, 0))
@@ -260,7 +266,11 @@ class _Emitter:
             if offset == SIGNED:  # unsigned levels w + 128 for vpdpbusd, 128 subtracted below
                 u, offset = b.xor(u, _splat(_V32I8, 0x80)), 128
             init = ir.Constant(_V8I32, None)
-            if offset:  # -offset * (sum of the 4 activations of each lane)
+            if isinstance(offset, ir.Value):  # an offset of this chunk (i32) or of each lane
+                if offset.type == _I32:
+                    offset = self.splat8i(offset)
+                init = b.mul(self.lane_sums(c), b.neg(offset))
+            elif offset:  # -offset * (sum of the 4 activations of each lane)
                 init = b.mul(self.lane_sums(c), _splat(_V8I32, -offset))
             isum = self.dot(init, u, b.bitcast(x, _V32I8))
         if isinstance(scale, str):  # PER_BLOCK: kept apart until the group's end
@@ -876,6 +886,64 @@ def _iq2_s(e, blk, c0):
         signs = Signs(e.sign_mask(e.load(blk, 34 + 4 * j, _I32)))
         yield e.chunk_index(c0, j), levels, signs, _odd_halves(e, e.byte(blk, 74 + j)), None
     yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(_F32, 0.125)))
+
+
+def _iq1_table(e):
+    """iq1s_grid with each level -1, 0, 1 as 8 * (level + 1): 8 * (level +- 1/8) is that minus
+    7 or 9, an integer offset (IQ1_DELTA = 1/8)."""
+    levels = ((IQ1_GRID.astype(np.int16) + 1) * 8).astype(np.uint8)
+    return e.table("iq1_grid", levels.view("<u8").reshape(-1), _I64)
+
+
+def _iq1_s(e, blk, c0):
+    """d f16 | qs[32] | qh u16[8] (4 x 3 high index bits, scale s, the delta's sign): w = d *
+    (2s + 1) * (level +- 1/8), here d / 8 * (2s + 1) * (8 * (level + 1) - (7 or 9)), exact
+    integers to the block's end (ggml's vec_dot_iq1_s_q8_K sums the delta apart)."""
+    b = e.b
+    table = _iq1_table(e)
+    for j in range(8):
+        qh = b.zext(e.load(blk, 34 + 2 * j, _I16), _I32)
+        low = b.zext(e.load(blk, 2 + 4 * j, ir.VectorType(_I8, 4)), _V4I32)
+        high = b.and_(b.lshr(_splat4(e, qh), ir.Constant(_V4I32, [0, 3, 6, 9])), _splat(_V4I32, 7))
+        indices = b.or_(low, b.shl(high, _splat(_V4I32, 8)))
+        levels = b.bitcast(e.gather64(table, indices), _V32I8)
+        negative = b.and_(b.lshr(qh, ir.Constant(_I32, 15)), _ONE)
+        offset = b.add(ir.Constant(_I32, 7), b.shl(negative, _ONE))
+        scale = b.and_(b.lshr(qh, ir.Constant(_I32, 12)), ir.Constant(_I32, 7))
+        odd = b.or_(b.shl(scale, _ONE), _ONE)
+        yield e.chunk_index(c0, j), levels, offset, odd, None
+    yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(_F32, 0.125)))
+
+
+def _iq1_m(e, blk, c0):
+    """qs[32] | qh[16] (per 8 weights a nibble: 3 high index bits, the delta's sign) | scales
+    u16[4] (3-bit scales per 16 weights, the f16 d in the top nibbles): as IQ1_S, with an offset
+    per 8 weights (per pair of lanes) and a scale per 16 (lanes 0-3, 4-7)."""
+    b = e.b
+    table = _iq1_table(e)
+    sc = [b.zext(e.load(blk, 48 + 2 * i, _I16), _I32) for i in range(4)]
+    top = ir.Constant(_I32, 0xF000)
+    bits = b.or_(
+        b.or_(b.lshr(b.and_(sc[0], top), ir.Constant(_I32, 12)),
+              b.lshr(b.and_(sc[1], top), ir.Constant(_I32, 8))),
+        b.or_(b.lshr(b.and_(sc[2], top), ir.Constant(_I32, 4)), b.and_(sc[3], top)),
+    )  # fmt: skip
+    d = b.fpext(b.bitcast(b.trunc(bits, _I16), ir.HalfType()), _F32)
+    for j in range(8):
+        low = b.zext(e.load(blk, 4 * j, ir.VectorType(_I8, 4)), _V4I32)
+        qh = _splat4(e, b.zext(e.load(blk, 32 + 2 * j, _I16), _I32))
+        nibbles = b.and_(b.lshr(qh, ir.Constant(_V4I32, [0, 4, 8, 12])), _splat(_V4I32, 15))
+        indices = b.or_(low, b.shl(b.and_(nibbles, _splat(_V4I32, 7)), _splat(_V4I32, 8)))
+        levels = b.bitcast(e.gather64(table, indices), _V32I8)
+        negative = b.lshr(nibbles, _splat(_V4I32, 3))
+        offsets = b.add(_splat(_V4I32, 7), b.shl(negative, _splat(_V4I32, 1)))
+        per_lane = ir.Constant(_V8I32, [0, 0, 1, 1, 2, 2, 3, 3])
+        offsets = b.shuffle_vector(offsets, ir.Constant(_V4I32, None), per_lane)
+        shifts = ir.Constant(_V8I32, [3 * (2 * (j % 2))] * 4 + [3 * (2 * (j % 2) + 1)] * 4)
+        scales = b.and_(b.lshr(e.splat8i(sc[j // 2]), shifts), _splat(_V8I32, 7))
+        odd = b.or_(b.shl(scales, _splat(_V8I32, 1)), _splat(_V8I32, 1))
+        yield e.chunk_index(c0, j), levels, offsets, odd, None
+    yield BlockEnd(c0, b.fmul(d, ir.Constant(_F32, 0.125)))
 
 
 # ---- ternary: w = d * (q - 1), q in 0..2, one scale per 256 weights (integer sums to the end)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .float import check_shapes, hide_constant, load_f16
+from .float import check_shapes, f16_to_f32, hide_constant, load_f16
 
 QK_K = 256
 
@@ -338,17 +338,73 @@ def _iq2_s_weights(row, o, j, out, e):
         out[e + k] = _signed(db * _IQ2S_LEVELS[index, k & 7], signs, k & 7)
 
 
+# IQ1_S / IQ1_M: 11-bit indices into a grid of 2048 x 8 levels -1, 0, 1, each shifted by
+# +-IQ1_DELTA (a sign bit per 32 or per 8 weights), odd 3-bit scales
+IQ1_DELTA = np.float32(0.125)
+
+
+def _iq1_grid() -> np.ndarray:
+    """ggml's iq1s_grid as int8[2048, 8] of -1, 0, 1 (gguf-py's packed table)."""
+    from gguf.quants import IQ1_S
+
+    IQ1_S.init_grid()
+    return np.ascontiguousarray(IQ1_S.grid.reshape(2048, 8).astype(np.int8))
+
+
+IQ1_GRID = _iq1_grid()
+_IQ1_LEVELS = IQ1_GRID.astype(np.float32)
+
+
+@njit(cache=True)
+def _iq1_s_weights(row, o, j, out, e):
+    """IQ1_S (d f16 | qs[32] | qh u16[8]): per 32 weights a u16 of 4 x 3 high index bits, a
+    3-bit scale s (bits 12-14) and the delta's sign (bit 15); w = d * (2s + 1) * (level +-
+    IQ1_DELTA), gguf-py's order."""
+    d = load_f16(row, o)
+    qh = np.int32(row[o + 34 + 2 * j]) | (np.int32(row[o + 35 + 2 * j]) << 8)
+    dl = d * np.float32(2 * ((qh >> 12) & 7) + 1)
+    delta = -IQ1_DELTA if qh & 0x8000 else IQ1_DELTA
+    for k in range(32):
+        g = k >> 3
+        index = np.int32(row[o + 2 + 4 * j + g]) | (((qh >> (3 * g)) & 7) << 8)
+        out[e + k] = dl * (_IQ1_LEVELS[index, k & 7] + delta)
+
+
+@njit(cache=True)
+def _iq1_m_weights(row, o, j, out, e):
+    """IQ1_M (qs[32] | qh[16] | scales u16[4], the f16 d in their top 4 bits): per 8 weights a
+    nibble of qh (3 high index bits, the delta's sign), per 16 a 3-bit scale s;
+    w = d * (2s + 1) * (level +- IQ1_DELTA), gguf-py's order."""
+    sc = [np.int32(row[o + 48 + 2 * i]) | (np.int32(row[o + 49 + 2 * i]) << 8) for i in range(4)]
+    bits = (sc[0] >> 12) | ((sc[1] >> 8) & 0xF0) | ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000)
+    d = f16_to_f32(bits)
+    for k in range(32):
+        group = 2 * j + (k >> 4)  # 16 weights per scale
+        scale = (sc[group >> 2] >> (3 * (group & 3))) & 7
+        dl = d * np.float32(2 * scale + 1)
+        i = 4 * j + (k >> 3)  # 8 weights per index
+        nibble = (np.int32(row[o + 32 + (i >> 1)]) >> (4 * (i & 1))) & 15
+        index = np.int32(row[o + i]) | ((nibble & 7) << 8)
+        delta = -IQ1_DELTA if nibble & 8 else IQ1_DELTA
+        out[e + k] = dl * (_IQ1_LEVELS[index, k & 7] + delta)
+
+
 @njit(cache=True)
 def _grid8_chunk(kind, row, o, j, out, e):
     """The 32 weights of sub-block j of the block at row[o], of type kind (0: IQ2_XXS, 1: IQ2_XS,
-    2: IQ2_S), into out[e:e + 32]. A branch per 32 weights, not a closure per type: kernels that
-    close over a compiled function are never found in Numba's cache again (see kernels.py)."""
+    2: IQ2_S, 3: IQ1_S, 4: IQ1_M), into out[e:e + 32]. A branch per 32 weights, not a closure per
+    type: kernels that close over a compiled function are never found in Numba's cache again
+    (see kernels.py)."""
     if kind == 0:
         _iq2_xxs_weights(row, o, j, out, e)
     elif kind == 1:
         _iq2_xs_weights(row, o, j, out, e)
-    else:
+    elif kind == 2:
         _iq2_s_weights(row, o, j, out, e)
+    elif kind == 3:
+        _iq1_s_weights(row, o, j, out, e)
+    else:
+        _iq1_m_weights(row, o, j, out, e)
 
 
 @njit(cache=True)
@@ -409,3 +465,27 @@ def matvec_iq2_xs(w, x, out):
 def matvec_iq2_s(w, x, out):
     """out[n_rows] = dequant(w)[n_rows, n_cols] @ x[n_cols] (the float path)."""
     _matvec_grid8(w, x, out, 2, 82)
+
+
+@njit
+def dequantize_row_iq1_s(row, out):
+    """IQ1_S row uint8[n_cols // 256 * 50] -> out float32[n_cols]."""
+    _dequantize_grid8(row, out, 3, 50)
+
+
+@njit
+def dequantize_row_iq1_m(row, out):
+    """IQ1_M row uint8[n_cols // 256 * 56] -> out float32[n_cols]."""
+    _dequantize_grid8(row, out, 4, 56)
+
+
+@njit(cache=True)
+def matvec_iq1_s(w, x, out):
+    """out[n_rows] = dequant(w)[n_rows, n_cols] @ x[n_cols] (the float path)."""
+    _matvec_grid8(w, x, out, 3, 50)
+
+
+@njit(cache=True)
+def matvec_iq1_m(w, x, out):
+    """out[n_rows] = dequant(w)[n_rows, n_cols] @ x[n_cols] (the float path)."""
+    _matvec_grid8(w, x, out, 4, 56)
