@@ -25,12 +25,12 @@ from localllm.quants import QUANT_TYPES, intdot
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "quants"
 FILE_TYPES = sorted(path.stem for path in FIXTURES.glob("*.json"))
-# Logit tolerance: test_architectures' for quantized weights. Measured at most 0.22 (IQ4), 0.36
-# (IQ3), 0.41 (IQ2), 0.32 (IQ1) and 0.37 (TQ) over both kernels and the teacher-forced pass, on
-# logits of ~14: the activations localllm and llama.cpp compute differ in the last float bits
-# (norms, SiLU, softmax), and where such a value sits on a rounding boundary of its 8-bit
-# activation block it flips a level, which this sharp model amplifies (the F16 base model matches
-# llama.cpp within 0.007). Greedy tokens part only after near-ties (gaps of 0.24 at most).
+# Logit tolerance: test_architectures' for quantized weights. Measured at most 0.12 (IQ4), 0.17
+# (IQ3), 0.15 (IQ2), 0.18 (IQ1) and 0.11 (TQ) over both kernels and the teacher-forced pass, on
+# top logits of 10-25: the activations localllm and llama.cpp compute differ in the last float
+# bits (norms, SiLU, softmax), and where such a value sits on a rounding boundary of its 8-bit
+# activation block it flips a level, which this sharp model amplifies. Greedy tokens part only
+# after near-ties (one, of gap 0.04).
 LOGIT_TOL = LOGIT_TOL_QUANTIZED
 
 
@@ -59,10 +59,11 @@ def test_fixture_is_the_file_llama_cpp_quantized(name):
     ref = reference(name)
     data = (FIXTURES / f"{name}.gguf").read_bytes()
     assert hashlib.sha256(data).hexdigest() == ref["gguf_sha256"]
-    assert len(data) < 2_000_000  # small fixtures
+    assert len(data) < 1_100_000  # small fixtures
     summary = json.loads(json.dumps(random_models.metadata_summary(random_models.QUANT_BASE)))
     assert ref["base"] == summary
-    assert ref["tensor_types"][ref["ggml_type"]] >= 12  # nearly every matrix
+    # every matrix of each layer but attn_v, which llama.cpp's IQ4 / IQ3_S mixes make Q5_K / Q4_K
+    assert ref["tensor_types"][ref["ggml_type"]] >= 6 * random_models.QUANT_BASE.n_layers
 
 
 def test_file_holds_the_type(case):
