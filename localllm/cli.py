@@ -512,7 +512,7 @@ def show(
     """Show what a model is, read from its GGUF file.
 
     Architecture, parameters (counted from the tensor shapes), context length, quantization,
-    chat template and license.
+    the tensor types with their shares of the tensor bytes, chat template and license.
     """
     from localllm.describe import describe_model, info_rows, printable
     from localllm.gguf import read_gguf

@@ -19,11 +19,13 @@ POOLING_NAMES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 
 def describe_model(gguf: GGUFFile) -> dict[str, Any]:
     """What `show` prints: architecture, parameter count (from tensor shapes), context length,
-    quantization, tensor types, chat template and license, all from the GGUF itself."""
+    quantization, tensor types (how many tensors of each, and their bytes), chat template and
+    license, all from the GGUF itself."""
     metadata = gguf.metadata
     quant = detect_quant(gguf.path, metadata=metadata)
     arch = str(metadata.get("general.architecture", ""))
     tensor_types: dict[str, int] = {}
+    tensor_bytes: dict[str, int] = {}
     n_params = 0
     for tensor in gguf.tensors.values():
         n_params += math.prod(tensor.shape)
@@ -32,6 +34,9 @@ def describe_model(gguf: GGUFFile) -> dict[str, Any]:
         except ValueError:
             type_name = f"type {tensor.ggml_type}"
         tensor_types[type_name] = tensor_types.get(type_name, 0) + 1
+        tensor_bytes[type_name] = tensor_bytes.get(type_name, 0) + tensor.n_bytes
+    # the types that hold the most bytes first: what the file's size is made of
+    by_bytes = sorted(tensor_types, key=lambda name: (-tensor_bytes[name], name))
     template = metadata.get("tokenizer.chat_template")
     if isinstance(template, bytes):
         template = template.decode("utf-8", errors="replace")
@@ -53,7 +58,8 @@ def describe_model(gguf: GGUFFile) -> dict[str, Any]:
         "embedding_length": metadata.get(f"{arch}.embedding_length"),
         "layers": metadata.get(f"{arch}.block_count"),
         "quantization": quant,
-        "tensor_types": dict(sorted(tensor_types.items(), key=lambda kv: -kv[1])),
+        "tensor_types": {name: tensor_types[name] for name in by_bytes},
+        "tensor_bytes": {name: tensor_bytes[name] for name in by_bytes},
         "chat_template": template,
         "chat_template_source": source,
         "license": metadata.get("general.license"),
@@ -105,7 +111,11 @@ def particulars(metadata: dict[str, Any], arch: str, tensor_names: set[str]) -> 
 
 def info_rows(info: dict[str, Any]) -> list[tuple[str, Any]]:
     """The rows `show` prints of a describe_model() dict, as (label, value or None)."""
-    types = ", ".join(f"{name} x{n}" for name, n in info["tensor_types"].items())
+    total = sum(info["tensor_bytes"].values())
+    types = ", ".join(
+        f"{name} {byte_share(info['tensor_bytes'][name], total)} (x{n})"
+        for name, n in info["tensor_types"].items()
+    )
     return [
         ("name", info["name"]),
         ("architecture", info["architecture"]),
@@ -118,6 +128,12 @@ def info_rows(info: dict[str, Any]) -> list[tuple[str, Any]]:
         *info.get("particulars", {}).items(),
         ("file", f"{info['file']} ({format_bytes(info['file_size'])})"),
     ]
+
+
+def byte_share(n_bytes: int, total: int) -> str:
+    """A type's share of the tensor bytes, as `show` lists it: '81.5%', '<0.1%' (a few norms)."""
+    share = 100 * n_bytes / total if total else 0.0
+    return "<0.1%" if 0 < share < 0.05 else f"{share:.1f}%"
 
 
 def printable(value: Any) -> str:
