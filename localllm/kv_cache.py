@@ -47,3 +47,43 @@ class KVCache:
                 break
             n += 1
         return n
+
+
+class PrefixCache:
+    """The KV caches of finished sequences, kept for requests that start with the same tokens.
+
+    A chat client resends its whole history each turn, and many requests share a system
+    prompt: `take` hands a new sequence the idle cache holding the longest prefix of its
+    prompt, so only the rest is prefilled (the sequence's own code reuses what
+    `KVCache.reusable_prefix` says). Like llama-server's per-slot prompt cache, at most
+    `capacity` idle caches are kept (one per slot by default), and the least recently used
+    goes first; their memory is what that many sequences would hold while running.
+    """
+
+    def __init__(self, new_cache, capacity: int = 4) -> None:
+        self._new_cache = new_cache  # () -> an empty KVCache of the model's context
+        self.capacity = capacity
+        self._idle: list[KVCache] = []  # least recently used first
+
+    def take(self, token_ids: list[int]) -> KVCache:
+        """A cache for a sequence with this prompt: the idle one that holds the longest prefix
+        of it; without any, a fresh one (or the least recently used, when all are kept)."""
+        best = max(self._idle, key=lambda c: c.reusable_prefix(token_ids), default=None)
+        if best is not None and best.reusable_prefix(token_ids) > 0:
+            self._idle.remove(best)
+            return best
+        if self._idle and len(self._idle) >= self.capacity:
+            return self._idle.pop(0)
+        return self._new_cache()
+
+    def give(self, cache: KVCache) -> None:
+        """A sequence has ended: keep its cache (the most recently used) for the next ones."""
+        if self.capacity <= 0:
+            return
+        self._idle.append(cache)
+        while len(self._idle) > self.capacity:
+            self._idle.pop(0)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(c.n_past for c in self._idle)

@@ -39,6 +39,7 @@ from starlette.routing import BaseRoute, Match
 
 from localllm import server_anthropic, server_ollama, server_openai
 from localllm.errors import LocalLLMError
+from localllm.kv_cache import PrefixCache
 from localllm.models import DEFAULT_CTX, Model, load_model
 from localllm.server_cors import CORSPolicy, cors_warning
 from localllm.server_engine import Engine, EngineBusy
@@ -136,6 +137,7 @@ class ModelPool:
         self._info: dict[str, LoadedModel] = {}  # id -> the loaded model, as /api/ps says
         self._stopping: dict[str, datetime] = {}  # id -> when its unload was asked for
         self._running: dict[str, int] = {}  # id -> sequences using it (engine thread only)
+        self._prefix: dict[str, PrefixCache] = {}  # id -> its idle KV caches (engine thread)
         self._expires: dict[str, float] = {}  # id -> when it unloads, idle (time.time())
         self._digests: dict[Path, str] = {}
         if specs:
@@ -229,6 +231,15 @@ class ModelPool:
         self._keep(served.id, keep_alive)
         return model
 
+    def prefix_cache(self, served: ServedModel) -> PrefixCache:
+        """The idle KV caches of a checked-out model (engine thread), one per slot: they go
+        when the model unloads."""
+        caches = self._prefix.get(served.id)
+        if caches is None:
+            new_cache = self._loaded[served.id].transformer.new_cache
+            caches = self._prefix[served.id] = PrefixCache(new_cache, self._engine.parallel)
+        return caches
+
     def checkin(self, served: ServedModel, keep_alive: float | None = None) -> None:
         """A sequence is done with its model (engine thread); a pending unload happens now,
         and the keep-alive counts from now."""
@@ -294,6 +305,7 @@ class ModelPool:
             self._stopping.pop(model_id, None)
             self._expires.pop(model_id, None)
         self._running.pop(model_id, None)
+        self._prefix.pop(model_id, None)
         model = self._loaded.pop(model_id)
         # The map goes once the last reference does; requests still holding the model object
         # (built but not started) drop it when they start (see checkout).

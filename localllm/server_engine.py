@@ -1,11 +1,13 @@
-"""The server's engine: one thread that runs every model step, round-robin over the requests.
+"""The server's engine: one thread that runs every model step, for all requests at once.
 
 Calls on one Transformer must not overlap (they share its scratch buffers), and Numba's default
 threading layer must not be entered from two threads at once, so all model work — loading and
-every prefill or decode step of every request — happens on this one thread. Each active request
-advances by one step (one `next()` of its generator: a prefill, or one sampled token) per round,
-so concurrent requests interleave token by token, and a cancelled one stops within one step; a
-long prefill checks `cancel_check()` between layers, so a client that leaves stops it at once.
+every prefill or decode step of every request — happens on this one thread. Each request's
+generator runs in a greenlet of its own there; where it needs the model it waits, and the
+engine runs the tokens of every waiting sequence in one batched pass (`batching.Batcher`), so
+concurrent requests share each read of the weights, and a long new prompt is fed in chunks
+between the decode steps of the others. A cancelled request stops within one step: its
+greenlet gets the exception where it waits, so its generators' `finally` blocks run.
 
 The event loop talks to the engine through `Generation`, an async iterator over one request's
 steps; dropping or cancelling it cancels the request.
@@ -21,8 +23,14 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from greenlet import greenlet
+
+from localllm.batching import Batcher, Request
+from localllm.generate import Cancelled
+
 _END = object()  # emitted after a sequence's last item
-_stepping = threading.local()  # .seq: the Sequence the engine thread is advancing right now
+_STEPPED = object()  # a sequence's greenlet emitted one item
+_DONE = object()  # a sequence's greenlet has ended (its last emit was _END or an error)
 
 
 def cancel_check() -> Callable[[], bool]:
@@ -31,7 +39,7 @@ def cancel_check() -> Callable[[], bool]:
     Called inside a sequence's generator (on the engine thread), it binds to that sequence, so
     that work within one step (the prefill of a long prompt) can stop as soon as the client
     leaves instead of at the end of the step. Elsewhere it never says stop."""
-    seq = getattr(_stepping, "seq", None)
+    seq = getattr(greenlet.getcurrent(), "seq", None)
     if seq is None:
         return lambda: False
     return lambda: seq.cancelled
@@ -41,21 +49,46 @@ class EngineBusy(Exception):
     """More requests than the engine runs plus its queue holds: the client should retry later."""
 
 
+class _SequenceGreenlet(greenlet):
+    """A sequence's greenlet; `batching.current()` and `cancel_check()` read these."""
+
+    def __init__(self, run, parent, seq: Sequence, batcher: Batcher) -> None:
+        super().__init__(run, parent)
+        self.seq = seq
+        self.batcher = batcher
+        self.parked: Request | None = None  # the model call it waits for, if any
+
+
 class Sequence:
     """One request's generation on the engine thread: a generator built when it first runs."""
 
     def __init__(self, start: Callable[[], Iterator[Any]], emit: Callable[[Any], None]) -> None:
         self.start: Callable[[], Iterator[Any]] | None = start
         self.emit = emit  # called on the engine thread with each item, an exception, or _END
-        self.steps: Iterator[Any] | None = None
+        self.greenlet: _SequenceGreenlet | None = None  # made when it first runs
         # Set from any thread; the engine reads it before each step (a plain bool is atomic).
         self.cancelled = False
 
-    def close(self) -> None:
-        """Stop the generator (its `finally` blocks run) and drop it, freeing its KV cache."""
-        steps, self.steps, self.start = self.steps, None, None
-        if steps is not None and hasattr(steps, "close"):
-            steps.close()
+    def run(self, engine: greenlet) -> Any:
+        """The greenlet's body: emit each item of the generator, switching back to the engine
+        after each; an exception ends it (and is emitted)."""
+        try:
+            with contextlib.closing(self.start()) as steps:
+                for item in steps:
+                    self.emit(item)
+                    engine.switch(_STEPPED)
+        except Exception as e:  # including generate.Cancelled, for a client that left
+            self.emit(e)
+        else:
+            self.emit(_END)
+        finally:
+            self.start = None  # let go of the model (an unload waits for its last reference)
+        return _DONE
+
+    @property
+    def waiting(self) -> bool:
+        """Whether it waits in a model call (the batcher resumes it)."""
+        return self.greenlet is not None and self.greenlet.parked is not None
 
 
 class Engine:
@@ -74,6 +107,7 @@ class Engine:
         self._active: list[Sequence] = []
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._batcher: Batcher | None = None  # made on the engine thread
 
     # -- the event-loop side ----------------------------------------------------------------
 
@@ -144,6 +178,7 @@ class Engine:
             self._waiting = deque(s for s in self._waiting if not s.cancelled)
 
     def _run(self) -> None:
+        self._batcher = Batcher(greenlet.getcurrent())
         while True:
             with self._cond:
                 while not (self._calls or self._waiting or self._active or self._stopping):
@@ -162,7 +197,11 @@ class Engine:
                         future.set_result(fn())
                     except BaseException as e:
                         future.set_exception(e)
-            finished = [seq for seq in active if self._step(seq)]
+            # Each sequence not waiting for the model runs until it emits an item or waits,
+            # then one pass runs the tokens of all that wait (which resumes them). No loop
+            # variable outlives the step: an unload waits for the model's last reference.
+            finished = [s for s in active if not s.waiting and self._advance(s)]
+            finished += [r.greenlet.seq for r, out in self._batcher.step() if out is _DONE]
             if finished:
                 with self._cond:
                     self._active = [s for s in self._active if s not in finished]
@@ -170,32 +209,31 @@ class Engine:
             leftover = self._active + list(self._waiting)
             self._active, self._waiting = [], deque()
         for seq in leftover:
-            seq.close()
-            seq.emit(EngineBusy("the server is shutting down"))
+            self._stop(seq, EngineBusy("the server is shutting down"))
 
-    @staticmethod
-    def _step(seq: Sequence) -> bool:
-        """Advance one sequence by one item; True when it is over."""
+    def _advance(self, seq: Sequence) -> bool:
+        """Run a sequence until it emits an item, waits for the model, or ends; True when it
+        has ended. A cancelled one gets Cancelled where it stands."""
         if seq.cancelled:
-            seq.close()
+            self._stop(seq, Cancelled("the generation was cancelled"))
             return True
-        _stepping.seq = seq
-        try:
-            if seq.steps is None:
-                seq.steps = seq.start()
-            item = next(seq.steps)
-        except StopIteration:
-            seq.close()
-            seq.emit(_END)
-            return True
-        except Exception as e:  # including generate.Cancelled, for a client that left
-            seq.close()
-            seq.emit(e)
-            return True
-        finally:
-            _stepping.seq = None
-        seq.emit(item)
-        return False
+        if seq.greenlet is None:
+            seq.greenlet = _SequenceGreenlet(seq.run, greenlet.getcurrent(), seq, self._batcher)
+            return seq.greenlet.switch(greenlet.getcurrent()) is _DONE
+        return seq.greenlet.switch() is _DONE
+
+    def _stop(self, seq: Sequence, error: BaseException) -> None:
+        """End a sequence: a started one gets `error` where it stands (its `finally` blocks
+        run and it emits the error); one that never ran is told directly."""
+        g = seq.greenlet
+        if g is not None and not g.dead:
+            if g.parked is not None:
+                with contextlib.suppress(ValueError):
+                    self._batcher.requests.remove(g.parked)
+                g.parked = None
+            g.throw(error)
+        elif g is None:
+            seq.emit(error)
 
 
 def _emit_to(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[Any], None]:

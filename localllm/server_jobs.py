@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 
 from localllm.errors import LocalLLMError
 from localllm.generate import prompt_logits, stream_generate
+from localllm.kv_cache import PrefixCache
 from localllm.models import Model
 from localllm.sampling import Sampler
 from localllm.server_engine import Engine, EngineBusy, Generation, cancel_check
@@ -39,6 +40,7 @@ class Step:
     prompt_tokens: int
     completion_tokens: int
     logprobs: dict[str, Any] | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass
@@ -60,15 +62,26 @@ class Job:
     prompt_logprobs: int | None = None
     prompt_entries: list[dict[str, Any]] | None = None
     keep_alive: float | None = None  # seconds the model stays loaded after (None: the server's)
+    caches: PrefixCache | None = None  # the model's idle KV caches (None: a fresh cache)
 
 
 def steps(job: Job) -> Iterator[Step]:
-    """The engine-side generator: stream_generate on a fresh KV cache, one item per step."""
+    """The engine-side generator: stream_generate, one item per step, on the idle KV cache
+    that holds the longest prefix of the prompt (only the rest is prefilled) or a fresh one.
+    A row's KV does not depend on what ran beside it, so the answer is the same either way."""
+    if job.caches is None:
+        yield from _steps(job, job.model.transformer.new_cache())
+        return
+    cache = job.caches.take(job.prompt_ids)
+    try:
+        yield from _steps(job, cache)
+    finally:
+        job.caches.give(cache)  # for the next request with this prefix (a chat's next turn)
+
+
+def _steps(job: Job, cache) -> Iterator[Step]:
     model = job.model
     want_logprobs = job.top_logprobs is not None
-    # Each request its own sequence: a fresh cache, so that answers never depend on what
-    # else the server has run (the pages are only touched as positions fill).
-    cache = model.transformer.new_cache()
     should_stop = cancel_check()  # a client that leaves stops even a long prefill
     if job.prompt_logprobs is not None:
         job.prompt_entries = _prompt_entries(job, cache, should_stop)
@@ -88,7 +101,14 @@ def steps(job: Job) -> Iterator[Step]:
             logprobs = None
             if want_logprobs and r.token is not None and r.logits is not None:
                 logprobs = token_logprobs(model.tokenizer, r.token, r.logits, job.top_logprobs)
-            yield Step(r.text, r.finish_reason, r.prompt_tokens, r.generation_tokens, logprobs)
+            yield Step(
+                r.text,
+                r.finish_reason,
+                r.prompt_tokens,
+                r.generation_tokens,
+                logprobs,
+                r.cached_tokens,
+            )
             if r.finish_reason is not None:
                 log.info(
                     "%s %s: %d prompt tokens (%.0f t/s), %d generated (%.1f t/s), %s",
@@ -117,6 +137,7 @@ def checked_out(pool: ModelPool, job: Job) -> Iterator[Step]:
     """steps on the model the pool holds when the sequence starts, checked back in when it
     ends, so that an unload never closes a model under a running sequence."""
     job.model = pool.checkout(job.served, job.keep_alive)
+    job.caches = pool.prefix_cache(job.served)
     try:
         yield from steps(job)
     finally:

@@ -227,11 +227,12 @@ async def _prepare(
     return jobs, gens
 
 
-def _usage(lasts: list[Step | None]) -> dict[str, int]:
+def _usage(lasts: list[Step | None]) -> dict[str, Any]:
     """One response's usage: the prompt once, the completions of every choice."""
     done = [s for s in lasts if s is not None]
     prompt = done[0].prompt_tokens if done else 0
-    return usage(prompt, sum(s.completion_tokens for s in done))
+    cached = min((s.cached_tokens for s in done), default=0)
+    return usage(prompt, sum(s.completion_tokens for s in done), cached)
 
 
 def _tools(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, bool]:

@@ -19,12 +19,14 @@ from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import greenlet
 import httpx
 import openai
 import pytest
 from live_server import N_CTX, running_server
 from real_models import model_path
 
+from localllm.batching import Batcher
 from localllm.errors import LocalLLMError
 from localllm.generate import generate
 from localllm.models import load_model
@@ -148,7 +150,13 @@ def test_chat_matches_library_and_stream(client, local_model):
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == "length" and not any(finishes[:-1])
-    assert chunks[-1].choices == [] and chunks[-1].usage == response.usage
+    assert chunks[-1].choices == []
+    # The same prompt again: the prefix cache held all of it but the last token (always run)
+    streamed = chunks[-1].usage
+    assert streamed.prompt_tokens_details.cached_tokens == len(ids) - 1
+    assert streamed.model_dump(exclude={"prompt_tokens_details"}) == response.usage.model_dump(
+        exclude={"prompt_tokens_details"}
+    )
 
 
 def test_stream_ends_with_done(server):
@@ -405,16 +413,16 @@ def test_disconnect_cancels_and_queue_limit(monkeypatch):
 
 
 def count_engine_steps(monkeypatch) -> collections.Counter:
-    """How many steps the engine gives each sequence: one per generated token, so a cancelled
-    sequence shows fewer than its max_tokens."""
+    """How many model calls the engine runs for each sequence: one per generated token, so a
+    cancelled sequence shows fewer than its max_tokens."""
     steps: collections.Counter = collections.Counter()
-    step = Engine._step
+    forward = Batcher.forward
 
-    def counted(seq) -> bool:
-        steps[seq] += 1
-        return step(seq)
+    def counted(self, *args):
+        steps[greenlet.getcurrent().seq] += 1
+        return forward(self, *args)
 
-    monkeypatch.setattr(Engine, "_step", staticmethod(counted))
+    monkeypatch.setattr(Batcher, "forward", counted)
     return steps
 
 

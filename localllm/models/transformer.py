@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from localllm import ops
+from localllm import batching, ops
 from localllm.errors import LocalLLMError
 from localllm.gguf import GGUFFile
 from localllm.kv_cache import KVCache
@@ -350,6 +350,31 @@ class Transformer:
         the chunks that were completed, and nothing of the one that was cut.
         """
         cache = self.cache if cache is None else cache
+        token_ids = self._checked(token_ids, start_pos, cache)
+        n_tokens = len(token_ids)
+        if not (all_logits or hidden) and (batch := batching.current()) is not None:
+            # on the server's engine: this sequence's tokens join one pass with the others'
+            return batch.forward(self, token_ids, start_pos, cache, interrupt)
+        cache.trim(start_pos)
+        rows = []
+        for first in range(0, n_tokens, self.n_batch):
+            chunk = token_ids[first : first + self.n_batch]
+            last_chunk = first + len(chunk) == n_tokens
+            with self.backend.step(len(chunk)):  # the backend picks its threads per chunk
+                segment = (cache, start_pos + first, 0, len(chunk))
+                self._forward_chunk(chunk, [segment], interrupt)
+                cache.tokens.extend(int(t) for t in chunk)
+                if hidden:
+                    rows.append(self._hidden(0, len(chunk)))
+                elif all_logits:
+                    rows.append(self._logits(0, len(chunk)))
+                elif last_chunk:
+                    rows.append(self._logits(len(chunk) - 1, len(chunk))[0])
+        return np.concatenate(rows) if all_logits or hidden else rows[0]
+
+    def _checked(self, token_ids, start_pos: int, cache: KVCache) -> np.ndarray:
+        """token_ids as int64, once they are known to fit the vocabulary and the cache at
+        start_pos."""
         token_ids = np.asarray(token_ids, dtype=np.int64)
         n_tokens = len(token_ids)
         if n_tokens == 0:
@@ -367,21 +392,44 @@ class Transformer:
             raise LocalLLMError(
                 f"position {start_pos} leaves a gap after {cache.n_past} cached tokens"
             )
-        cache.trim(start_pos)
-        rows = []
-        for first in range(0, n_tokens, self.n_batch):
-            chunk = token_ids[first : first + self.n_batch]
-            last_chunk = first + len(chunk) == n_tokens
-            with self.backend.step(len(chunk)):  # the backend picks its threads per chunk
-                self._forward_chunk(chunk, start_pos + first, cache, interrupt)
-                cache.tokens.extend(int(t) for t in chunk)
-                if hidden:
-                    rows.append(self._hidden(0, len(chunk)))
-                elif all_logits:
-                    rows.append(self._logits(0, len(chunk)))
-                elif last_chunk:
-                    rows.append(self._logits(len(chunk) - 1, len(chunk))[0])
-        return np.concatenate(rows) if all_logits or hidden else rows[0]
+        return token_ids
+
+    def forward_batch(self, parts: list[tuple[KVCache, int, np.ndarray, bool]]) -> list:
+        """One pass for the tokens of several sequences: parts are (cache, start_pos,
+        token_ids, wants_logits), at most n_batch tokens in all, each already checked by
+        `_checked`. Every weight block is read once for all of them; attention runs per
+        sequence on its own cache. Returns, per part, float32[vocab_size] (the logits after
+        its last token) where it wants them, else None. A row's result does not depend on
+        the rows beside it: a sequence gets the same logits batched as alone."""
+        n_tokens = sum(len(ids) for _, _, ids, _ in parts)
+        if not 0 < n_tokens <= self.n_batch:
+            raise ValueError(f"a batch of {n_tokens} tokens (1..{self.n_batch})")
+        segments, first = [], 0
+        for cache, start_pos, ids, _ in parts:
+            cache.trim(start_pos)
+            segments.append((cache, start_pos, first, len(ids)))
+            first += len(ids)
+        token_ids = np.concatenate([ids for _, _, ids, _ in parts])
+        with self.backend.step(n_tokens):
+            self._forward_chunk(token_ids, segments)
+            for cache, _, ids, _ in parts:
+                cache.tokens.extend(int(t) for t in ids)
+            wanted = [i for i, part in enumerate(parts) if part[3]]
+            out: list = [None] * len(parts)
+            if wanted:
+                last_rows = np.array([segments[i][2] + segments[i][3] - 1 for i in wanted])
+                logits = self._logits_at(last_rows)
+                for row, i in enumerate(wanted):
+                    out[i] = logits[row]
+        return out
+
+    def _logits_at(self, rows: np.ndarray) -> np.ndarray:
+        """Host float32[len(rows), vocab]: the logits of the given rows of the residual stream."""
+        if len(rows) == rows[-1] - rows[0] + 1:  # contiguous (a prompt, or every row)
+            return self._logits(int(rows[0]), int(rows[-1]) + 1)
+        s = self.scratch
+        self.backend.gather_rows(s.x, rows, s.o[: len(rows)])
+        return self._logits(0, len(rows), s.o)
 
     def _hidden(self, first: int, end: int) -> np.ndarray:
         """Host float32[end - first, dim]: rows first..end-1 of the residual stream after the
@@ -390,11 +438,13 @@ class Transformer:
         h = b.rmsnorm(s.x[first:end], self.output_norm, c.rms_eps, s.h[: end - first])
         return b.to_host(h)
 
-    def _logits(self, first: int, end: int) -> np.ndarray:
-        """Host float32[end - first, vocab] for rows first..end-1 of the residual stream."""
+    def _logits(self, first: int, end: int, x=None) -> np.ndarray:
+        """Host float32[end - first, vocab] for rows first..end-1 of the residual stream (or of
+        x, rows gathered from it)."""
         b, c, s = self.backend, self.config, self.scratch
         n = end - first
-        h = b.rmsnorm(s.x[first:end], self.output_norm, c.rms_eps, s.h[:n])
+        x = s.x if x is None else x
+        h = b.rmsnorm(x[first:end], self.output_norm, c.rms_eps, s.h[:n])
         logits = b.to_host(b.linear(h, self.output, s.logits[:n]))
         if c.logit_scale != 1.0:  # as ggml_scale by 1 / logit_scale
             logits *= np.float32(1.0) / np.float32(c.logit_scale)
@@ -403,15 +453,17 @@ class Transformer:
             logits = np.tanh(logits * (np.float32(1.0) / cap)) * cap
         return logits
 
-    def _forward_chunk(
-        self, token_ids: np.ndarray, start_pos: int, cache: KVCache, interrupt=None
-    ) -> None:
+    def _forward_chunk(self, token_ids: np.ndarray, segments: list, interrupt=None) -> None:
+        """Run token_ids (rows of the scratch) through every layer. segments: (cache,
+        start_pos, first_row, n_rows) per sequence whose tokens these rows are, in row order."""
         b, c, s = self.backend, self.config, self.scratch
         n = len(token_ids)
         x = b.embed(self.token_embd, token_ids, s.x[:n])
         if c.embed_scale != 1.0:
             b.scale(x, c.embed_scale)
-        positions = np.arange(start_pos, start_pos + n, dtype=np.int64)
+        positions = np.concatenate(
+            [np.arange(start, start + rows, dtype=np.int64) for _, start, _, rows in segments]
+        )
         tables = {}
         attn_scale = c.attn_scale or 1.0 / math.sqrt(c.head_dim)
         for i, layer in enumerate(self.layers):
@@ -427,14 +479,11 @@ class Transformer:
                     positions, c.rope_dim, c.theta(i), scaling, self.rope_freqs
                 )
             cos, sin = tables[key] if c.rotates(i) else (None, None)
-            k_cache, v_cache = cache.k[i], cache.v[i]
-            self._attention_block(
-                layer, x, k_cache, v_cache, start_pos, cos, sin, window, attn_scale
-            )
+            self._attention_block(layer, i, x, segments, cos, sin, window, attn_scale)
             self._ffn_block(layer, x)
 
     def _attention_block(
-        self, layer: Layer, x, k_cache, v_cache, start_pos, cos, sin, window, attn_scale
+        self, layer: Layer, i: int, x, segments, cos, sin, window, attn_scale
     ) -> None:
         b, c, s = self.backend, self.config, self.scratch
         n = x.shape[0]
@@ -455,14 +504,19 @@ class Transformer:
         if cos is not None:
             b.rope(q3, cos, sin, c.rope_neox)
             b.rope(k3, cos, sin, c.rope_neox)
-        b.write_kv(k_cache, v_cache, start_pos, k3, v.reshape(n, c.n_kv_heads, c.head_dim))
+        v3 = v.reshape(n, c.n_kv_heads, c.head_dim)
         if c.scale_q:
             b.scale(q, attn_scale)
             attn_scale = 1.0
         attn = s.attn[:n].reshape(n, c.n_heads, c.head_dim)
-        b.attention(
-            q3, k_cache, v_cache, start_pos, window, attn_scale, c.attn_softcap, attn, layer.sinks
-        )
+        for cache, start, r0, rows in segments:  # each sequence attends to its own cache
+            r1 = r0 + rows
+            k_cache, v_cache = cache.k[i], cache.v[i]
+            b.write_kv(k_cache, v_cache, start, k3[r0:r1], v3[r0:r1])
+            b.attention(
+                q3[r0:r1], k_cache, v_cache, start, window, attn_scale, c.attn_softcap,
+                attn[r0:r1], layer.sinks,
+            )  # fmt: skip
         o = b.linear(s.attn[:n], layer.wo, s.o[:n])
         if layer.bo is not None:
             b.add_bias(o, layer.bo)

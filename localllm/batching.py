@@ -1,0 +1,125 @@
+"""Continuous batching: the forward passes of concurrent sequences run as one pass per step.
+
+Each sequence on the server's engine runs its generator (stream_generate, unchanged) in a
+greenlet of its own on the engine thread. When the generator needs the model,
+`Transformer.forward` hands its tokens to the `Batcher` of that greenlet and switches back to
+the engine; once every live sequence is waiting so, `Batcher.step` runs them through
+`Transformer.forward_batch` in one pass, which reads each weight block once for all of them, and
+resumes each sequence whose tokens are done with its logits. A sequence's generator never
+knows: its code is the code `localllm run` runs alone, so a batched answer is the answer alone.
+
+A prompt longer than the batch is fed in chunks, decode tokens first: a long new prompt holds
+the running streams back by at most one chunk per step (chunked prefill). Everything stays on
+one thread, as the Transformer's scratch buffers and Numba's threading layer require;
+greenlets only switch where a sequence waits for the model.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from greenlet import getcurrent
+
+from localllm.kv_cache import KVCache
+
+
+def current() -> Batcher | None:
+    """The batcher of the sequence running now, or None outside a sequence (a plain call)."""
+    return getattr(getcurrent(), "batcher", None)
+
+
+_arrivals = itertools.count()
+
+
+@dataclass
+class Request:
+    """A sequence's tokens waiting for the model: they run in one or more steps."""
+
+    transformer: object
+    token_ids: np.ndarray  # int64[n], already checked against the vocabulary and the cache
+    start_pos: int
+    cache: KVCache
+    interrupt: Callable[[], None] | None
+    greenlet: object  # the sequence's, parked in `Batcher.forward` until resumed
+    done: int = 0  # tokens run so far
+    order: int = field(default_factory=lambda: next(_arrivals))
+
+    @property
+    def remaining(self) -> int:
+        return len(self.token_ids) - self.done
+
+    def resume(self, logits=None, error: BaseException | None = None):
+        """Switch back into the sequence with its logits (or raise error there); what its
+        greenlet switches back with (it emitted an item, waits again, or has ended)."""
+        self.greenlet.parked = None
+        if error is not None:
+            return self.greenlet.throw(error)
+        return self.greenlet.switch(logits)
+
+
+class Batcher:
+    """Collects the requests of the sequences of one engine; `step` runs them."""
+
+    def __init__(self, engine_greenlet) -> None:
+        self._engine = engine_greenlet  # where a waiting sequence switches to
+        self.requests: list[Request] = []
+
+    def forward(self, transformer, token_ids, start_pos, cache, interrupt) -> np.ndarray:
+        """Called in a sequence's greenlet: wait for the step that runs these tokens, and
+        return the logits after the last one (or raise what stopped it)."""
+        me = getcurrent()
+        request = Request(transformer, token_ids, start_pos, cache, interrupt, me)
+        me.parked = request
+        self.requests.append(request)
+        return self._engine.switch(request)
+
+    def step(self) -> list[tuple[Request, object]]:
+        """One pass per model over the waiting requests: each model's decode tokens first,
+        then prompt chunks, oldest first, up to its batch size. A request whose last tokens ran
+        is resumed with its logits, one whose interrupt raises (a client gone) with the error.
+        Returns (request, what the switch into its sequence returned) for each resumed."""
+        waiting, self.requests = self.requests, []
+        resumed: list[tuple[Request, object]] = []
+        for transformer in {id(r.transformer): r.transformer for r in waiting}.values():
+            group = [r for r in waiting if r.transformer is transformer]
+            self._run(transformer, group, resumed)
+        return resumed
+
+    def _run(self, transformer, group: list[Request], resumed: list) -> None:
+        live = []
+        for request in group:
+            try:
+                if request.interrupt is not None:
+                    request.interrupt()
+            except BaseException as e:  # Cancelled: the sequence stops where it waits
+                resumed.append((request, request.resume(error=e)))
+            else:
+                live.append(request)
+        budget, parts, taken = transformer.n_batch, [], []
+        for request in sorted(live, key=lambda r: (r.remaining > 1, r.order)):
+            n = min(request.remaining, budget)
+            if n == 0:
+                self.requests.append(request)  # next step
+                continue
+            ids = request.token_ids[request.done : request.done + n]
+            last = n == request.remaining
+            parts.append((request.cache, request.start_pos + request.done, ids, last))
+            taken.append((request, n))
+            budget -= n
+        if not parts:
+            return
+        try:
+            outs = transformer.forward_batch(parts)
+        except Exception as e:  # nothing a sequence did: all of this pass's sequences fail
+            for request, _ in taken:
+                resumed.append((request, request.resume(error=e)))
+            return
+        for (request, n), logits in zip(taken, outs, strict=True):
+            request.done += n
+            if request.remaining == 0:
+                resumed.append((request, request.resume(logits)))
+            else:
+                self.requests.append(request)  # its next chunk runs in the next step
