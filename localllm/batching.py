@@ -77,10 +77,12 @@ class Batcher:
         return self._engine.switch(request)
 
     def step(self) -> list[tuple[Request, object]]:
-        """One pass per model over the waiting requests: each model's decode tokens first,
-        then prompt chunks, oldest first, up to its batch size. A request whose last tokens ran
-        is resumed with its logits, one whose interrupt raises (a client gone) with the error.
-        Returns (request, what the switch into its sequence returned) for each resumed."""
+        """One pass per model over the waiting requests: each model's decode tokens first
+        (but at most half its batch size while prompt tokens wait), then prompt chunks, oldest
+        first, up to its batch size; a decode token left out goes first next step. A request
+        whose last tokens ran is resumed with its logits, one whose interrupt raises (a client
+        gone) with the error. Returns (request, what the switch into its sequence returned)
+        for each resumed."""
         waiting, self.requests = self.requests, []
         resumed: list[tuple[Request, object]] = []
         for transformer in {id(r.transformer): r.transformer for r in waiting}.values():
@@ -99,10 +101,17 @@ class Batcher:
             else:
                 live.append(request)
         budget, parts, taken = transformer.n_batch, [], []
+        # Decode tokens first, but never all of the budget while a prompt waits: half of it
+        # stays for prompt chunks, so neither starves however many sequences run.
+        prompt_tokens = sum(r.remaining for r in live if r.remaining > 1)
+        decode_budget = budget - min(prompt_tokens, budget // 2)
         for request in sorted(live, key=lambda r: (r.remaining > 1, r.order)):
             n = min(request.remaining, budget)
+            if request.remaining == 1:
+                n = min(n, decode_budget)
+                decode_budget -= n
             if n == 0:
-                self.requests.append(request)  # next step
+                self.requests.append(request)  # next step (a decode token: ahead of later ones)
                 continue
             ids = request.token_ids[request.done : request.done + n]
             last = n == request.remaining

@@ -598,7 +598,8 @@ def serve(
         4,
         "--parallel",
         min=1,
-        help="Requests decoded at once, token by token (each its own KV cache).",
+        help="Requests run at once, their tokens in one batched pass per step (each its own "
+        "KV cache; as many finished ones are kept for requests that repeat their prefix).",
     ),
     max_queue: int = typer.Option(
         32, "--max-queue", min=0, help="Requests that may wait beyond those; more get 503."
@@ -641,6 +642,16 @@ def serve(
     )
 
 
+PARALLEL_STREAMS = typer.Option(
+    None,
+    "--parallel",
+    "-np",
+    min=1,
+    help="Concurrent streams on the server's engine (repeatable, e.g. -np 4 -np 8): aggregate "
+    "tok/s beside one stream's and time to first token, like llama-batched-bench.",
+)
+
+
 @app.command()
 def bench(
     model: str = typer.Argument(..., metavar="MODEL", help="A model name or a .gguf path."),
@@ -657,6 +668,7 @@ def bench(
     bandwidth: bool = typer.Option(
         True, "--bandwidth/--no-bandwidth", help="Also measure the machine's read bandwidth."
     ),
+    parallel: list[int] | None = PARALLEL_STREAMS,
     as_json: bool = typer.Option(
         False, "--json", help="Also print one JSON object as the last line of stdout."
     ),
@@ -666,6 +678,9 @@ def bench(
     from localllm.bench import bench as run_bench
 
     found = find_or_pull(model)
+    if parallel:
+        _bench_parallel(found, parallel, prompt_tokens, gen_tokens, threads, device, as_json)
+        return
     result = run_bench(
         found.path,
         found.name,
@@ -690,6 +705,30 @@ def bench(
     print(f"peak RSS     {result.peak_rss_mb:.0f} MiB")
     if as_json:
         print(json.dumps(result.as_dict()))
+
+
+def _bench_parallel(found, streams, prompt_tokens, gen_tokens, threads, device, as_json) -> None:
+    from localllm.bench import bench_parallel
+
+    counts = sorted(set(streams) | {1})  # one stream alone is what the ratio is against
+    results = bench_parallel(
+        found.path, found.name, counts, prompt_tokens, gen_tokens, threads, device.value
+    )
+    first = results[0]
+    print(
+        f"model        {first.model} ({first.threads} threads), prompt {first.prompt_tokens}, "
+        f"{first.gen_tokens} tokens per stream"
+    )
+    print("streams  aggregate tok/s  x one  decode tok/s  TTFT median / max (s)")
+    for r in results:
+        ratio = r.aggregate_tok_s / first.aggregate_tok_s if first.aggregate_tok_s else 0.0
+        ttft = sorted(r.ttft_s)
+        print(
+            f"{r.streams:7d}  {r.aggregate_tok_s:15.1f}  {ratio:5.2f}  {r.decode_tok_s:12.1f}  "
+            f"{ttft[len(ttft) // 2]:.2f} / {ttft[-1]:.2f}"
+        )
+    if as_json:
+        print(json.dumps([r.as_dict() for r in results]))
 
 
 # ---------------------------------------------------------------------------------------------

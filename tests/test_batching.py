@@ -123,3 +123,76 @@ def test_engine_runs_concurrent_requests_in_one_pass_per_step(monkeypatch):
     # alone: ~13 passes each (a prompt chunk or two, then one per token); together the four
     # share them, and prompt chunks queue behind the budget for a few steps at most
     assert len(passes) < passes_alone / 2, (len(passes), passes_alone)
+
+
+def test_prefix_cache_hands_out_the_longest_prefix_and_drops_the_least_recently_used():
+    from localllm.kv_cache import KVCache, PrefixCache
+
+    made = []
+
+    def new_cache():
+        made.append(KVCache(1, 16, 1, 4))
+        return made[-1]
+
+    pool = PrefixCache(new_cache, capacity=2)
+    a, b = pool.take([1, 2, 3]), pool.take([7, 8])
+    a.tokens, b.tokens = [1, 2, 3, 4], [7, 8, 9]
+    pool.give(a)
+    pool.give(b)
+    assert pool.take([1, 2, 3, 5]) is a  # holds [1, 2, 3] of it
+    pool.give(a)  # now the most recently used
+    assert pool.take([5, 6]) is b  # nothing shared, the pool full: its least recently used
+    assert len(made) == 2
+    c = pool.take([9])  # nothing shared, one kept: a new cache, `a` stays for its prefix
+    assert c is not a and len(made) == 3
+    c.tokens = [9, 9]
+    pool.give(b)
+    pool.give(c)  # three given back: the least recently used (a) is dropped
+    assert pool.cached_tokens == len(b.tokens) + len(c.tokens)
+    assert pool.take([1, 2, 3, 4]) is not a
+
+
+class _CountingModel:
+    """Stands in for a Transformer: records each pass as [(sequence, tokens)]."""
+
+    n_batch = 4
+
+    def __init__(self):
+        self.passes = []
+
+    def forward_batch(self, parts):
+        self.passes.append([(cache, len(ids)) for cache, _, ids, _ in parts])
+        return [np.zeros(1, np.float32) if wants else None for *_, wants in parts]
+
+
+def test_batcher_keeps_room_for_prompts_and_rotates_decode_tokens():
+    """More decoding sequences than the batch holds, and a long prompt: the prompt advances
+    every step (half the batch), and every decoding sequence gets its turn."""
+    from greenlet import getcurrent, greenlet
+
+    from localllm.batching import Batcher
+
+    model, batcher = _CountingModel(), Batcher(getcurrent())
+
+    def sequence(name, n_tokens, calls):
+        def run():
+            for _ in range(calls):
+                batcher.forward(model, np.zeros(n_tokens, np.int64), 0, name, None)
+
+        g = greenlet(run)
+        g.batcher, g.parked = batcher, None
+        return g
+
+    decoders = [f"d{k}" for k in range(6)]
+    for g in [sequence(name, 1, 3) for name in decoders] + [sequence("prompt", 10, 1)]:
+        g.switch()  # runs to its first model call, where it waits
+    while batcher.requests:
+        batcher.step()
+    assert all(sum(n for _, n in p) <= model.n_batch for p in model.passes)
+    prompt_steps = [dict(p).get("prompt", 0) for p in model.passes]
+    assert prompt_steps[:5] == [2] * 5 and sum(prompt_steps) == 10
+    served = [{name for name, _ in p} for p in model.passes]
+    for name in decoders:
+        assert sum(name in s for s in served) == 3
+        waits = [i for i, s in enumerate(served) if name in s]
+        assert max(b - a for a, b in zip([-1, *waits], waits)) <= 3  # never left out for long
