@@ -679,7 +679,8 @@ def bench(
 
     found = find_or_pull(model)
     if parallel:
-        _bench_parallel(found, parallel, prompt_tokens, gen_tokens, threads, device, as_json)
+        args = (prompt_tokens, gen_tokens, threads, device, repetitions, as_json)
+        _bench_parallel(found, parallel, *args)
         return
     result = run_bench(
         found.path,
@@ -707,17 +708,17 @@ def bench(
         print(json.dumps(result.as_dict()))
 
 
-def _bench_parallel(found, streams, prompt_tokens, gen_tokens, threads, device, as_json) -> None:
+def _bench_parallel(found, streams, n_prompt, n_gen, threads, device, reps, as_json) -> None:
     from localllm.bench import bench_parallel
 
     counts = sorted(set(streams) | {1})  # one stream alone is what the ratio is against
     results = bench_parallel(
-        found.path, found.name, counts, prompt_tokens, gen_tokens, threads, device.value
+        found.path, found.name, counts, n_prompt, n_gen, threads, device.value, reps
     )
     first = results[0]
     print(
         f"model        {first.model} ({first.threads} threads), prompt {first.prompt_tokens}, "
-        f"{first.gen_tokens} tokens per stream"
+        f"{first.gen_tokens} tokens per stream, best of {reps}"
     )
     print("streams  aggregate tok/s  x one  decode tok/s  TTFT median / max (s)")
     for r in results:
