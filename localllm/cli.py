@@ -254,6 +254,13 @@ def run(
         "Default: as the model's template has it; thoughts dimmed on a terminal, left out of "
         "a pipe.",
     ),
+    prompt_cache: bool = typer.Option(
+        True,
+        "--prompt-cache/--no-prompt-cache",
+        help="Read a prompt seen before back from the prompt cache on disk instead of "
+        "prefilling it again; a prompt and reply of 256 tokens or more is written to it (in "
+        "LOCALLLM_HOME, at most LOCALLLM_PROMPT_CACHE_BYTES, default 4 GiB).",
+    ),
     debug: bool = DEBUG,
 ) -> None:
     """Chat with a model, or answer a prompt once.
@@ -273,9 +280,10 @@ def run(
     try:
         loaded.check_generates()
         if interactive:
-            _chat(loaded, label, system, raw, options, verbose, think, json_schema)
+            _chat(loaded, label, system, raw, options, verbose, think, json_schema, prompt_cache)
         else:
-            _one_shot(loaded, text, system, raw, options, verbose, truncate, think, json_schema)
+            args = (options, verbose, truncate, think, json_schema, prompt_cache)
+            _one_shot(loaded, text, system, raw, *args)
     finally:
         loaded.close()
 
@@ -323,6 +331,7 @@ def _one_shot(
     truncate: bool,
     think: bool | None = None,
     json_schema: Any = False,
+    prompt_cache: bool = False,
 ) -> None:
     from localllm.conversation import Conversation
 
@@ -330,6 +339,8 @@ def _one_shot(
     conversation = Conversation(model, system=system, raw=raw, options=options)
     conversation.think = think
     conversation.json_schema = json_schema
+    if prompt_cache:
+        conversation.use_prompt_cache()
     ids, dropped = conversation.ask(text, truncate=truncate)
     if dropped:
         _stderr(
@@ -398,6 +409,7 @@ def _chat(
     verbose: bool,
     think=None,
     json_schema: Any = False,
+    prompt_cache: bool = False,
 ) -> None:
     from localllm.chat import ChatSession
     from localllm.conversation import Conversation
@@ -405,6 +417,8 @@ def _chat(
     conversation = Conversation(model, system=system, raw=raw, options=options)
     conversation.think = think
     conversation.json_schema = json_schema
+    if prompt_cache:
+        conversation.use_prompt_cache()
     ChatSession(conversation, label, verbose=verbose).run()
 
 

@@ -23,6 +23,7 @@ from localllm.generate import GenerationResponse, stream_generate
 from localllm.models import Model
 from localllm.options import Options
 from localllm.prompt import chat_prompt_ids, chat_template, raw_prompt_ids
+from localllm.prompt_cache import PromptCache
 from localllm.thinking import prompt_opens_thinking, template_thinks
 from localllm.thinking import split as split_thinking
 
@@ -71,6 +72,13 @@ class Conversation:
         # JSON output (constrained.py, `--format`): False for text, None for any JSON object,
         # else the JSON schema the replies follow.
         self.json_schema: Any = False
+        # The prompt cache on disk (prompt_cache.py, `--prompt-cache`): None keeps none.
+        self.prompt_cache: PromptCache | None = None
+
+    def use_prompt_cache(self) -> None:
+        """Read prompts back from the prompt cache on disk and write replies to it."""
+        if PromptCache.usable(self.model.transformer.cache):
+            self.prompt_cache = PromptCache(self.model.path, self.model.transformer.cache)
 
     def all_messages(self) -> list[dict[str, str]]:
         """The conversation as the template sees it: the system message first, if any."""
@@ -148,6 +156,8 @@ class Conversation:
             from localllm.constrained import json_processor
 
             processors = [*processors, json_processor(self.model, self.json_schema)]
+        if self.prompt_cache is not None:
+            self.prompt_cache.restore(self.model.transformer.cache, prompt_ids)
         responses = stream_generate(
             self.model,
             prompt_ids,
@@ -158,6 +168,8 @@ class Conversation:
         return Reply(self, responses)
 
     def _record(self, reply: str) -> None:
+        if self.prompt_cache is not None:
+            self.prompt_cache.store(self.model.transformer.cache)
         if reply and self.thinks:  # the history keeps the answer, as thinking templates expect
             reply = split_thinking(reply, self.reply_opens_thinking)[1]
         if reply:
