@@ -47,6 +47,11 @@ class Backend(Protocol):
         """A 1-D tensor (norm weights, biases) as float32[n]."""
         ...
 
+    def exact_rows(self, w: Any) -> bool:
+        """Whether row t of `linear(x, w)` depends on row t of x alone, whatever the other rows
+        and however many, so that sequences batched in one pass get what each gets alone."""
+        ...
+
     def zeros(self, shape: tuple[int, ...]) -> Array:
         """float32 zeros: scratch buffers."""
         ...
@@ -118,6 +123,14 @@ class Backend(Protocol):
         (float32[n_heads]) add one logit per head to each softmax, weighting nothing (gpt-oss).
         Not causal: each token over all start_pos + n_tokens keys (encoders, whose K and V are
         float32[n_tokens, n_kv_heads, head_dim] scratch rather than a cache)."""
+        ...
+
+    def attention_sequences(
+        self, q: Array, caches: list, window: int, scale: float, softcap: float, out: Array,
+        sinks: Array | None = None,
+    ) -> Array:  # fmt: skip
+        """`attention` for the rows of several sequences (a batched step): caches holds
+        (k_cache, v_cache, start_pos, first_row, n_rows) of each, its rows in q in order."""
         ...
 
     def add_bias(self, x: Array, bias: Array) -> None: ...
@@ -204,6 +217,11 @@ class CPUBackend:
             raise LocalLLMError(f"tensor {tensor.name} should be 2-D, has shape {tensor.shape}")
         n_rows, n_cols = tensor.shape
         return QuantWeight(tensor.name, tensor.data, qtype, n_rows, n_cols)
+
+    def exact_rows(self, w: QuantWeight) -> bool:
+        """Integer dot products are exact sums whatever the tile a token is in; the float
+        kernels' sums go in an order that depends on the tile (matvec, 4 x 4 tiles)."""
+        return self.integer_kernels and w.qtype.int_matvec is not None
 
     def vector(self, tensor: TensorInfo) -> np.ndarray:
         """A 1-D float32 tensor (norm weights, biases): float32[n], converted if stored as F16."""
@@ -292,7 +310,8 @@ class CPUBackend:
                 xq = self._quantized.get(key)
                 if xq is None:
                     xq = self._quantized[key] = intdot.activation_buffers(n_tokens, n_cols)
-                if n_tokens == 1:  # a few microseconds: not worth waking the threads
+                if n_tokens < 16:  # microseconds: not worth waking the threads (a batch's
+                    # decode rows; under load a parallel launch cost ~1 ms)
                     intdot.quantize_q8(x, super_block, *xq)
                 else:
                     intdot.quantize_q8_tokens(x, super_block, *xq)
@@ -353,6 +372,33 @@ class CPUBackend:
         ops.attention(
             q, k_cache, v_cache, start_pos, window, scale, softcap, sinks, f16, per_job, scores,
             row, out, bool(causal),
+        )  # fmt: skip
+        return out
+
+    def attention_sequences(self, q, caches, window, scale, softcap, out, sinks=None):
+        """One parallel region for every sequence's rows (each row as `attention` computes
+        it): a batch of decode rows would otherwise wake the threads once per sequence."""
+        if len(caches) == 1:
+            k, v, start, first, n = caches[0]
+            return self.attention(
+                q[first : first + n], k, v, start, window, scale, softcap, out[first : first + n],
+                sinks,
+            )  # fmt: skip
+        k0 = caches[0][0]
+        f16 = self.llama_cpp_rounding and k0.dtype == np.uint16
+        if f16:
+            q[...] = q.astype(np.float16)
+        n_rows, n_heads, head_dim = q.shape
+        n_kv_heads = k0.shape[1]
+        n_ctx = max(k.shape[0] for k, *_ in caches)
+        per_job = ops.heads_per_job(n_rows, n_heads, n_kv_heads, numba.get_num_threads())
+        scores, row = self._attention_scratch(per_job, n_ctx, head_dim)
+        starts = np.array([c[2] for c in caches], np.int64)
+        first_rows = np.array([c[3] for c in caches] + [caches[-1][3] + caches[-1][4]], np.int64)
+        sinks = _NO_SINKS if sinks is None else sinks
+        ops.attention_sequences(
+            q, tuple(c[0] for c in caches), tuple(c[1] for c in caches), starts, first_rows,
+            window, np.float32(scale), np.float32(softcap), sinks, f16, per_job, scores, row, out,
         )  # fmt: skip
         return out
 

@@ -100,7 +100,14 @@ class Batcher:
                 resumed.append((request, request.resume(error=e)))
             else:
                 live.append(request)
-        budget, parts, taken = transformer.n_batch, [], []
+        if not getattr(transformer, "batches_exactly", True):
+            # rows whose results depend on the rows beside them (float kernels): each sequence
+            # runs alone, a chunk per step, cut where `forward` cuts it
+            for request in sorted(live, key=lambda r: r.order):
+                n = min(request.remaining, transformer.n_batch - request.done % transformer.n_batch)
+                self._pass(transformer, [(request, n)], resumed)
+            return
+        budget, taken = transformer.n_batch, []
         # Decode tokens first, but never all of the budget while a prompt waits: half of it
         # stays for prompt chunks, so neither starves however many sequences run.
         prompt_tokens = sum(r.remaining for r in live if r.remaining > 1)
@@ -113,13 +120,18 @@ class Batcher:
             if n == 0:
                 self.requests.append(request)  # next step (a decode token: ahead of later ones)
                 continue
+            taken.append((request, n))
+            budget -= n
+        if taken:
+            self._pass(transformer, taken, resumed)
+
+    def _pass(self, transformer, taken: list[tuple[Request, int]], resumed: list) -> None:
+        """One forward pass for the next n tokens of each request."""
+        parts = []
+        for request, n in taken:
             ids = request.token_ids[request.done : request.done + n]
             last = n == request.remaining
             parts.append((request.cache, request.start_pos + request.done, ids, last))
-            taken.append((request, n))
-            budget -= n
-        if not parts:
-            return
         try:
             outs = transformer.forward_batch(parts)
         except Exception as e:  # nothing a sequence did: all of this pass's sequences fail

@@ -363,62 +363,103 @@ def attention(
     n_tokens, n_heads, head_dim = q.shape
     n_keys = start_pos + n_tokens
     n_kv_heads = k_cache.shape[1]
-    group = n_heads // n_kv_heads
-    n_split = group // heads_per_job
-    inv_cap = np.float32(1.0 / softcap) if softcap > 0 else np.float32(0.0)
+    n_split = n_heads // n_kv_heads // heads_per_job
     for job in prange(n_tokens * n_kv_heads * n_split):
         t = job // (n_kv_heads * n_split)
-        kv = job // n_split % n_kv_heads
-        h0 = kv * group + job % n_split * heads_per_job
         pos = start_pos + t if causal else n_keys - 1  # the last key this token sees
-        first = 0
-        if window > 0 and pos - window + 1 > 0:
-            first = pos - window + 1
-        thread = get_thread_id()
-        s, x = scores[thread], row[thread]
-        row_start = kv * head_dim * k_cache.itemsize  # bytes of this K/V head in a cache row
-        row_end = row_start + head_dim * k_cache.itemsize
-        for j in range(first, pos + 1):
-            if j + KV_PREFETCH <= pos:
-                _prefetch_head_row(k_cache, j + KV_PREFETCH, row_start, row_end)
-            for d in range(head_dim):
-                x[d] = kv_value(k_cache[j, kv, d])
-            for g in range(heads_per_job):
-                dot = np.float32(0.0)
-                for d in range(head_dim):
-                    dot += q[t, h0 + g, d] * x[d]
-                dot *= scale
-                if softcap > 0:
-                    dot = softcap * np.float32(math.tanh(dot * inv_cap))
-                s[g, j] = dot
+        _attend_job(
+            q, t, job % (n_kv_heads * n_split), k_cache, v_cache, pos, window, scale, softcap,
+            sinks, f16_probs, heads_per_job, scores, row, out,
+        )  # fmt: skip
+
+
+@njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
+def attention_sequences(
+    q, k_caches, v_caches, starts, first_rows, window, scale, softcap, sinks, f16_probs,
+    heads_per_job, scores, row, out,
+):  # fmt: skip
+    """`attention` for the rows of several sequences in one parallel region (a batched step):
+    rows first_rows[s]..first_rows[s + 1] - 1 of q are sequence s's tokens at positions
+    starts[s].., over its own cache k_caches[s], v_caches[s] (a tuple of one layer's caches,
+    each filled up to its last row's position). Each row's arithmetic is `attention`'s, so a
+    sequence gets the same result here as alone."""
+    n_rows, n_heads, head_dim = q.shape
+    n_kv_heads = k_caches[0].shape[1]
+    n_split = n_heads // n_kv_heads // heads_per_job
+    for job in prange(n_rows * n_kv_heads * n_split):
+        t = job // (n_kv_heads * n_split)
+        seq = 0
+        while t >= first_rows[seq + 1]:
+            seq += 1
+        pos = starts[seq] + t - first_rows[seq]
+        _attend_job(
+            q, t, job % (n_kv_heads * n_split), k_caches[seq], v_caches[seq], pos, window,
+            scale, softcap, sinks, f16_probs, heads_per_job, scores, row, out,
+        )  # fmt: skip
+
+
+@njit(cache=True, inline="always", fastmath={"reassoc", "contract"})
+def _attend_job(
+    q, t, part, k_cache, v_cache, pos, window, scale, softcap, sinks, f16_probs, heads_per_job,
+    scores, row, out,
+):  # fmt: skip
+    """Row t of q, the query heads of K/V head part // n_split (the (part % n_split)-th
+    heads_per_job of them), over keys ..pos of the cache (see `attention`)."""
+    n_heads, head_dim = q.shape[1], q.shape[2]
+    n_kv_heads = k_cache.shape[1]
+    group = n_heads // n_kv_heads
+    n_split = group // heads_per_job
+    kv = part // n_split
+    h0 = kv * group + part % n_split * heads_per_job
+    inv_cap = np.float32(1.0 / softcap) if softcap > 0 else np.float32(0.0)
+    first = 0
+    if window > 0 and pos - window + 1 > 0:
+        first = pos - window + 1
+    thread = get_thread_id()
+    s, x = scores[thread], row[thread]
+    row_start = kv * head_dim * k_cache.itemsize  # bytes of this K/V head in a cache row
+    row_end = row_start + head_dim * k_cache.itemsize
+    for j in range(first, pos + 1):
+        if j + KV_PREFETCH <= pos:
+            _prefetch_head_row(k_cache, j + KV_PREFETCH, row_start, row_end)
+        for d in range(head_dim):
+            x[d] = kv_value(k_cache[j, kv, d])
         for g in range(heads_per_job):
-            best = np.float32(-np.inf)
-            for j in range(first, pos + 1):
-                best = max(best, s[g, j])
-            if sinks.shape[0]:
-                best = max(best, sinks[h0 + g])
-            total = 0.0  # float64, as ggml's soft_max sums
-            for j in range(first, pos + 1):
-                e = expf(s[g, j] - best)
-                s[g, j] = e
-                total += e
-            if sinks.shape[0]:
-                total += expf(sinks[h0 + g] - best)
-            inv = np.float32(1.0 / total)
-            for j in range(first, pos + 1):
-                p = s[g, j] * inv
-                s[g, j] = round_f16(p) if f16_probs else p
+            dot = np.float32(0.0)
             for d in range(head_dim):
-                out[t, h0 + g, d] = 0.0
+                dot += q[t, h0 + g, d] * x[d]
+            dot *= scale
+            if softcap > 0:
+                dot = softcap * np.float32(math.tanh(dot * inv_cap))
+            s[g, j] = dot
+    for g in range(heads_per_job):
+        best = np.float32(-np.inf)
         for j in range(first, pos + 1):
-            if j + KV_PREFETCH <= pos:
-                _prefetch_head_row(v_cache, j + KV_PREFETCH, row_start, row_end)
+            best = max(best, s[g, j])
+        if sinks.shape[0]:
+            best = max(best, sinks[h0 + g])
+        total = 0.0  # float64, as ggml's soft_max sums
+        for j in range(first, pos + 1):
+            e = expf(s[g, j] - best)
+            s[g, j] = e
+            total += e
+        if sinks.shape[0]:
+            total += expf(sinks[h0 + g] - best)
+        inv = np.float32(1.0 / total)
+        for j in range(first, pos + 1):
+            p = s[g, j] * inv
+            s[g, j] = round_f16(p) if f16_probs else p
+        for d in range(head_dim):
+            out[t, h0 + g, d] = 0.0
+    for j in range(first, pos + 1):
+        if j + KV_PREFETCH <= pos:
+            _prefetch_head_row(v_cache, j + KV_PREFETCH, row_start, row_end)
+        for d in range(head_dim):
+            x[d] = kv_value(v_cache[j, kv, d])
+        for g in range(heads_per_job):
+            p = s[g, j]
             for d in range(head_dim):
-                x[d] = kv_value(v_cache[j, kv, d])
-            for g in range(heads_per_job):
-                p = s[g, j]
-                for d in range(head_dim):
-                    out[t, h0 + g, d] += p * x[d]
+                out[t, h0 + g, d] += p * x[d]
 
 
 def heads_per_job(n_tokens: int, n_heads: int, n_kv_heads: int, n_threads: int) -> int:

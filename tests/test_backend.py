@@ -38,7 +38,7 @@ def backend_classes() -> list[type]:
 
 def test_the_protocol_lists_what_the_model_calls():
     assert "linear" in PROTOCOL_METHODS and "attention" in PROTOCOL_METHODS
-    assert len(PROTOCOL_METHODS) == 25
+    assert len(PROTOCOL_METHODS) == 27
 
 
 @pytest.mark.parametrize("method", PROTOCOL_METHODS)
@@ -80,7 +80,7 @@ def test_the_model_calls_only_protocol_methods():
         assert np.isfinite(logits).all()
     finally:
         model.close()
-    assert {"weight", "vector", "zeros", "linear_many", "attention"} <= backend.calls
+    assert {"weight", "vector", "zeros", "linear_many", "attention_sequences"} <= backend.calls
 
 
 def test_a_mixture_of_experts_calls_only_protocol_methods():

@@ -2,6 +2,7 @@
 exactly what it gets alone (logits bit for bit, greedy tokens), prompt chunks included."""
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,9 @@ from localllm.models.transformer import Transformer
 from localllm.server_engine import _END, Engine, Sequence
 
 PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time, there", "1, 2, 3, 4,"]
+
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "architectures"
 
 
 @pytest.fixture(scope="module", params=MODEL_NAMES)
@@ -36,6 +40,7 @@ def test_forward_batch_equals_each_sequence_alone(model):
     """Four sequences in one pass per step — first all four prompts together, then a mix of
     decode tokens and a late prompt — get the logits they get alone, bit for bit."""
     t = model.transformer
+    assert t.batches_exactly  # quantized weights: integer dot products all through
     prompts = [model.tokenizer.encode(p) for p in PROMPTS]
     steps = 6
     alone = [_alone(t, p, steps) for p in prompts]
@@ -196,3 +201,31 @@ def test_batcher_keeps_room_for_prompts_and_rotates_decode_tokens():
         assert sum(name in s for s in served) == 3
         waits = [i for i, s in enumerate(served) if name in s]
         assert max(b - a for a, b in zip([-1, *waits], waits)) <= 3  # never left out for long
+
+
+@pytest.mark.parametrize("name", ["gpt-oss", "gemma2", "qwen3moe"])
+def test_float_weights_take_turns_and_answer_as_alone(name, monkeypatch):
+    """F16 weights run on the float kernels, whose sums depend on the tile a row is in: such a
+    model's sequences take one pass each (chunks cut where `forward` cuts them), and answer as
+    alone. The fixtures bring sinks and alternating windows, softcaps, experts."""
+    model = load_model(FIXTURES / f"{name}.gguf", n_ctx=256, device="cpu")
+    assert not model.transformer.batches_exactly
+    passes = []
+    original = Transformer.forward_batch
+
+    def counting(self, parts):
+        passes.append(len(parts))
+        return original(self, parts)
+
+    monkeypatch.setattr(Transformer, "forward_batch", counting)
+    model.transformer.n_batch = 8
+    engine = Engine(parallel=3, max_queue=0)
+    try:
+        prompts = [model.tokenizer.decode(list(range(5 + k, 25 + 3 * k))) for k in range(3)]
+        alone = [_run_on_engine(engine, model, [p], 8)[0] for p in prompts]
+        together = _run_on_engine(engine, model, prompts, 8)
+    finally:
+        engine.stop()
+        model.close()
+    assert together == alone
+    assert set(passes) == {1}

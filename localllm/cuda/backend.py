@@ -193,6 +193,17 @@ class CUDABackend:
         cos, sin = ops.rope_tables(positions, rope_dim, theta_base, scaling, freq_factors)
         return cuda.to_device(cos), cuda.to_device(sin)
 
+    def exact_rows(self, w) -> bool:
+        """Not established for the CUDA kernels: sequences take turns, one pass each."""
+        return False
+
+    def attention_sequences(self, q, caches, window, scale, softcap, out, sinks=None):
+        """Each sequence's rows in turn (the kernels are asynchronous launches)."""
+        for k_cache, v_cache, start, first, n in caches:
+            r = slice(first, first + n)
+            self.attention(q[r], k_cache, v_cache, start, window, scale, softcap, out[r], sinks)
+        return out
+
     def attention(
         self,
         q,

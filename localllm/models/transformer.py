@@ -108,6 +108,20 @@ class Transformer:
         self._check_shapes()
         self.scratch = Scratch(config, n_batch, backend.zeros)
         self.cache = self.new_cache(n_ctx)
+        # Whether a row's result never depends on the rows beside it in a pass (integer dot
+        # products all through): only then do several sequences share a pass (batching.py).
+        self.batches_exactly = all(b.exact_rows(w) for w in self._matrices())
+
+    def _matrices(self) -> list:
+        """Every weight `linear` multiplies with."""
+        found = [self.output]
+        for layer in self.layers:
+            found += [layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up]
+            found.append(layer.w_down)
+            if layer.moe is not None:
+                found += [layer.moe.router, layer.moe.shared_gate]
+                found += [w for expert in layer.moe.experts for w in expert]
+        return [w for w in found if w is not None]
 
     def _tensor(self, name: str):
         tensor = self._tensors.get(name)
@@ -509,14 +523,12 @@ class Transformer:
             b.scale(q, attn_scale)
             attn_scale = 1.0
         attn = s.attn[:n].reshape(n, c.n_heads, c.head_dim)
-        for cache, start, r0, rows in segments:  # each sequence attends to its own cache
+        caches = []  # each sequence attends to its own cache
+        for cache, start, r0, rows in segments:
             r1 = r0 + rows
-            k_cache, v_cache = cache.k[i], cache.v[i]
-            b.write_kv(k_cache, v_cache, start, k3[r0:r1], v3[r0:r1])
-            b.attention(
-                q3[r0:r1], k_cache, v_cache, start, window, attn_scale, c.attn_softcap,
-                attn[r0:r1], layer.sinks,
-            )  # fmt: skip
+            b.write_kv(cache.k[i], cache.v[i], start, k3[r0:r1], v3[r0:r1])
+            caches.append((cache.k[i], cache.v[i], start, r0, rows))
+        b.attention_sequences(q3, caches, window, attn_scale, c.attn_softcap, attn, layer.sinks)
         o = b.linear(s.attn[:n], layer.wo, s.o[:n])
         if layer.bo is not None:
             b.add_bias(o, layer.bo)
