@@ -1073,6 +1073,10 @@ def activation_buffers(n_tokens: int, n_cols: int) -> tuple:
 # blocks of about ACTIVATION_BLOCK_BYTES of int8 activations, which stay in L2 while every row
 # group of the weights streams past them.
 TILE_TOKENS = 2
+# Tokens by 4 first (4 rows x 4 tokens: the 16 float accumulators still fit AVX-512's 32
+# registers): each unpacked block feeds twice the dot products. A batched step of 8 decode rows
+# on qwen2.5-coder-0.5b, 2 threads: 66-67 -> 56-62 ms; pp256 142-152 -> 153-173 tok/s.
+WIDE_TILE = 4
 ACTIVATION_BLOCK_BYTES = 256 << 10
 
 
@@ -1095,7 +1099,8 @@ def matvec_kernel(ggml_type: int, name: str):
         per_block = max(TILE_TOKENS, ACTIVATION_BLOCK_BYTES // n_cols // TILE_TOKENS * TILE_TOKENS)
         for b0 in range(0, n_tokens, per_block):
             b1 = min(n_tokens, b0 + per_block)
-            tiled = b0 + (b1 - b0) // TILE_TOKENS * TILE_TOKENS
+            tiled4 = b0 + (b1 - b0) // WIDE_TILE * WIDE_TILE
+            tiled = tiled4 + (b1 - tiled4) // TILE_TOKENS * TILE_TOKENS
             for g in prange(bounds[len(ws)]):
                 i = 0
                 while g >= bounds[i + 1]:
@@ -1104,7 +1109,13 @@ def matvec_kernel(ggml_type: int, name: str):
                 n_rows = w.shape[0]
                 r0 = (g - bounds[i]) * ROWS
                 full = r0 + ROWS <= n_rows
-                for t0 in range(b0, tiled, TILE_TOKENS):
+                for t0 in range(b0, tiled4, WIDE_TILE):
+                    if full:
+                        _rows(ggml_type, ROWS, WIDE_TILE, w, r0, t0, xq, xd, xs, xl, out)
+                    else:
+                        for r in range(r0, n_rows):
+                            _rows(ggml_type, 1, WIDE_TILE, w, r, t0, xq, xd, xs, xl, out)
+                for t0 in range(tiled4, tiled, TILE_TOKENS):
                     if full:
                         _rows(ggml_type, ROWS, TILE_TOKENS, w, r0, t0, xq, xd, xs, xl, out)
                     else:
