@@ -104,10 +104,14 @@ def read_bandwidth_gb_s(n_threads: int, n_bytes: int | None = None, rounds: int 
     return words.nbytes / best / 1e9
 
 
-def weight_bytes_per_token(tensors) -> int:
+def weight_bytes_per_token(tensors, n_experts: int = 0, n_used: int = 0) -> int:
     """Bytes of weights one decode step reads: every tensor but the embedding table, of which a
-    token reads one row, unless the output head is tied to it (then it is read whole)."""
-    total = sum(t.n_bytes for t in tensors.values())
+    token reads one row, unless the output head is tied to it (then it is read whole); of a MoE
+    layer's expert tensors (ffn_*_exps), the n_used experts of n_experts a token runs."""
+    total = 0
+    for name, t in tensors.items():
+        experts = "_exps." in name and n_experts > 0
+        total += t.n_bytes * n_used // n_experts if experts else t.n_bytes
     if "output.weight" in tensors and "token_embd.weight" in tensors:
         total -= tensors["token_embd.weight"].n_bytes
     return total
@@ -166,7 +170,9 @@ def bench(
         run(min(n_prompt, 32), min(n_gen, 4))  # warm-up
         runs = [run(n_prompt, n_gen) for _ in range(repetitions)]
         threads = getattr(transformer.backend, "n_threads", 0)
-        per_token = weight_bytes_per_token(model.gguf.tensors) / 1e9
+        c = model.config
+        per_token = weight_bytes_per_token(model.gguf.tensors, c.n_experts, c.n_experts_used)
+        per_token /= 1e9
     finally:
         model.close()
     decode_tok_s = statistics.median(d for _, d in runs)

@@ -50,6 +50,9 @@ def test_an_untied_output_head_reads_one_embedding_row_per_token():
 
     tensors = {"token_embd.weight": T(1000), "output.weight": T(1000), "blk.0.w": T(10)}
     assert bench_mod.weight_bytes_per_token(tensors) == 1010
+    # a MoE layer: a token reads the experts it runs (2 of 8), not all of them
+    tensors["blk.0.ffn_up_exps.weight"] = T(800)
+    assert bench_mod.weight_bytes_per_token(tensors, n_experts=8, n_used=2) == 1210
 
 
 def test_read_bandwidth_is_measured():
