@@ -7,6 +7,9 @@ the engine; once every live sequence is waiting so, `Batcher.step` runs them thr
 `Transformer.forward_batch` in one pass, which reads each weight block once for all of them, and
 resumes each sequence whose tokens are done with its logits. A sequence's generator never
 knows: its code is the code `localllm run` runs alone, so a batched answer is the answer alone.
+That needs a row's result not to depend on the rows beside it, which the integer kernels give
+(`Transformer.batches_exactly`); a model with float-kernel matrices runs its sequences one pass
+each, chunks cut where `forward` cuts them.
 
 A prompt longer than the batch is fed in chunks, decode tokens first: a long new prompt holds
 the running streams back by at most one chunk per step (chunked prefill). Everything stays on
