@@ -71,3 +71,25 @@ def test_bench_command_prints_the_streamed_bandwidth(monkeypatch):
     assert any(line.startswith("streamed") and "read bandwidth" in line for line in lines)
     report = json.loads(lines[-1])
     assert report["depth"] == 3 and report["read_bandwidth_gb_s"] > 0
+
+
+def test_bench_parallel_runs_the_streams_in_shared_passes(monkeypatch):
+    """`bench -np 3`: one stream alone, then three at once on the engine, whose decode steps
+    share passes; the table has a row per count and --json gives each count's result."""
+    passes = []
+    forward_batch = Transformer.forward_batch
+
+    def spy(self, parts):
+        passes.append(len(parts))
+        return forward_batch(self, parts)
+
+    monkeypatch.setattr(Transformer, "forward_batch", spy)
+    path = str(model_path("smollm2-135m"))
+    out = CliRunner().invoke(app, ["bench", path, "-p", "8", "-n", "5", "-t", "1", "-np", "3",
+                                   "-r", "1", "--json"])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    results = json.loads(out.output.strip().splitlines()[-1])
+    assert [r["streams"] for r in results] == [1, 3]
+    assert len(results[1]["ttft_s"]) == 3 and results[1]["gen_tokens"] == 5
+    assert max(passes) == 3  # the three streams' tokens in one pass
+    assert "aggregate tok/s" in out.output
