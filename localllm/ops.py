@@ -316,6 +316,16 @@ def _prefetch_head_row(cache, position, row_start, row_end):
         prefetch(cache, position, line)
 
 
+@njit(cache=True, inline="always")
+def _head_row(cache, j, pos, kv, row_start, row_end, x):
+    """x = K/V head kv of cache[j] as float32, with the row KV_PREFETCH positions on (up to
+    pos) prefetched."""
+    if j + KV_PREFETCH <= pos:
+        _prefetch_head_row(cache, j + KV_PREFETCH, row_start, row_end)
+    for d in range(cache.shape[2]):
+        x[d] = kv_value(cache[j, kv, d])
+
+
 def kv_value(x):
     """A KV cache element as float32: IEEE half bits (uint16) converted, float32 as it is."""
 
@@ -420,10 +430,7 @@ def _attend_job(
     row_start = kv * head_dim * k_cache.itemsize  # bytes of this K/V head in a cache row
     row_end = row_start + head_dim * k_cache.itemsize
     for j in range(first, pos + 1):
-        if j + KV_PREFETCH <= pos:
-            _prefetch_head_row(k_cache, j + KV_PREFETCH, row_start, row_end)
-        for d in range(head_dim):
-            x[d] = kv_value(k_cache[j, kv, d])
+        _head_row(k_cache, j, pos, kv, row_start, row_end, x)
         for g in range(heads_per_job):
             dot = np.float32(0.0)
             for d in range(head_dim):
@@ -452,10 +459,7 @@ def _attend_job(
         for d in range(head_dim):
             out[t, h0 + g, d] = 0.0
     for j in range(first, pos + 1):
-        if j + KV_PREFETCH <= pos:
-            _prefetch_head_row(v_cache, j + KV_PREFETCH, row_start, row_end)
-        for d in range(head_dim):
-            x[d] = kv_value(v_cache[j, kv, d])
+        _head_row(v_cache, j, pos, kv, row_start, row_end, x)
         for g in range(heads_per_job):
             p = s[g, j]
             for d in range(head_dim):
