@@ -41,12 +41,18 @@ class KVCache:
 
         At most len(token_ids) - 1: the last prompt token is always run, since its logits
         choose the next token."""
-        n = 0
-        for cached, new in zip(self.tokens, token_ids[:-1]):
-            if cached != new:
-                break
-            n += 1
-        return n
+        return reusable_prefix(self.tokens, token_ids)
+
+
+def reusable_prefix(held: list[int], token_ids: list[int]) -> int:
+    """How many leading token_ids match `held` (the tokens some KV holds), at most all but the
+    last of them (see KVCache.reusable_prefix)."""
+    n = 0
+    for cached, new in zip(held, token_ids[:-1]):
+        if cached != new:
+            break
+        n += 1
+    return n
 
 
 class PrefixCache:
@@ -68,10 +74,9 @@ class PrefixCache:
     def take(self, token_ids: list[int]) -> KVCache:
         """A cache for a sequence with this prompt: the idle one that holds the longest prefix
         of it; without any, a fresh one (or the least recently used, when all are kept)."""
-        best = max(self._idle, key=lambda c: c.reusable_prefix(token_ids), default=None)
-        if best is not None and best.reusable_prefix(token_ids) > 0:
-            self._idle.remove(best)
-            return best
+        held = [c.reusable_prefix(token_ids) for c in self._idle]
+        if held and max(held) > 0:
+            return self._idle.pop(held.index(max(held)))
         if self._idle and len(self._idle) >= self.capacity:
             return self._idle.pop(0)
         return self._new_cache()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from localllm.kv_cache import KVCache
+from localllm.kv_cache import KVCache, reusable_prefix
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ class PromptCache:
         identity = f"{Path(model_path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
         layout = f"{cache.k.dtype}:{cache.k.shape[0]}:{cache.k.shape[2:]}"
         self.model = hashlib.sha256(f"{identity}|{layout}".encode()).hexdigest()[:16]
-        self._source: Path | None = None  # the file the cache was last restored from
+        # the file the cache was last restored from (or written to), and its tokens
+        self._source: tuple[Path, list[int]] | None = None
 
     @staticmethod
     def usable(cache: KVCache) -> bool:
@@ -70,37 +71,33 @@ class PromptCache:
         have = cache.reusable_prefix(prompt_ids)
         best, best_n = None, have
         for path in self._files():
-            tokens = _read_tokens(path)
-            if tokens is None:
+            found = _read_header(path)
+            if found is None:
                 continue
-            n = _reusable(tokens, prompt_ids)
+            n = reusable_prefix(found[0]["tokens"], prompt_ids)
             if n > best_n:
-                best, best_n = path, n
-        if best is None or not self._read_into(best, cache, best_n):
+                best, best_n = (path, *found), n
+        if best is None or not self._read_into(*best, cache, best_n):
             return have
-        self._source = best
+        path, header, _ = best
+        self._source = path, header["tokens"]
         with contextlib.suppress(OSError):
-            os.utime(best)  # recently used
+            os.utime(path)  # recently used
         return best_n
 
-    def _read_into(self, path: Path, cache: KVCache, n: int) -> bool:
+    def _read_into(self, path: Path, header: dict, offset: int, cache: KVCache, n: int) -> bool:
+        """Copy the first n positions of the file (header and data offset read) into cache."""
         try:
-            with open(path, "rb") as f:
-                header = _header(f)
-                positions = len(header["tokens"])
-                rows = cache.k.shape[2:]
-                if header["dtype"] != str(cache.k.dtype) or tuple(header["rows"]) != rows:
-                    return False
-                offset = f.tell()
-            shape = (2, cache.k.shape[0], positions, *rows)
+            rows = cache.k.shape[2:]
+            if header["dtype"] != str(cache.k.dtype) or tuple(header["rows"]) != rows:
+                return False
+            shape = (2, cache.k.shape[0], len(header["tokens"]), *rows)
             data = np.memmap(path, dtype=cache.k.dtype, mode="r", offset=offset, shape=shape)
             cache.k[:, :n] = data[0, :, :n]
             cache.v[:, :n] = data[1, :, :n]
             del data
         except (OSError, ValueError, KeyError, TypeError) as e:
-            log.debug("prompt cache %s unreadable (%s): removed", path.name, e)
-            with contextlib.suppress(OSError):
-                path.unlink()
+            _drop(path, e)
             return False
         cache.tokens = list(header["tokens"][:n])
         return True
@@ -136,10 +133,10 @@ class PromptCache:
                 raise
             log.debug("prompt cache not written: %s", e)
             return
-        source, self._source = self._source, path
-        if source is not None and source != path and _extends(tokens, _read_tokens(source)):
+        source, self._source = self._source, (path, tokens)
+        if source is not None and source[0] != path and _extends(tokens, source[1]):
             with contextlib.suppress(OSError):
-                source.unlink()
+                source[0].unlink()
         self._evict()
 
     def _evict(self) -> None:
@@ -170,26 +167,21 @@ def _header(f) -> dict:
     return header
 
 
-def _read_tokens(path: Path) -> list[int] | None:
+def _read_header(path: Path) -> tuple[dict, int] | None:
+    """(header, offset of the K/V data), or None for a file that is not one (removed)."""
     try:
         with open(path, "rb") as f:
-            return _header(f)["tokens"]
+            return _header(f), f.tell()
     except (OSError, ValueError) as e:
-        log.debug("prompt cache %s unreadable (%s): removed", path.name, e)
-        with contextlib.suppress(OSError):
-            path.unlink()
+        _drop(path, e)
         return None
 
 
-def _reusable(tokens: list[int], prompt_ids: list[int]) -> int:
-    """As KVCache.reusable_prefix: the leading prompt tokens held, at most all but the last."""
-    n = 0
-    for held, new in zip(tokens, prompt_ids[:-1]):
-        if held != new:
-            break
-        n += 1
-    return n
+def _drop(path: Path, why: Exception) -> None:
+    log.debug("prompt cache %s unreadable (%s): removed", path.name, why)
+    with contextlib.suppress(OSError):
+        path.unlink()
 
 
-def _extends(tokens: list[int], older: list[int] | None) -> bool:
-    return older is not None and len(older) <= len(tokens) and tokens[: len(older)] == older
+def _extends(tokens: list[int], older: list[int]) -> bool:
+    return len(older) <= len(tokens) and tokens[: len(older)] == older
