@@ -62,16 +62,13 @@ class Job:
     prompt_logprobs: int | None = None
     prompt_entries: list[dict[str, Any]] | None = None
     keep_alive: float | None = None  # seconds the model stays loaded after (None: the server's)
-    caches: PrefixCache | None = None  # the model's idle KV caches (None: a fresh cache)
+    caches: PrefixCache | None = None  # the model's idle KV caches (set by checked_out)
 
 
 def steps(job: Job) -> Iterator[Step]:
     """The engine-side generator: stream_generate, one item per step, on the idle KV cache
     that holds the longest prefix of the prompt (only the rest is prefilled) or a fresh one.
     A row's KV does not depend on what ran beside it, so the answer is the same either way."""
-    if job.caches is None:
-        yield from _steps(job, job.model.transformer.new_cache())
-        return
     cache = job.caches.take(job.prompt_ids)
     try:
         yield from _steps(job, cache)
