@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+from call_counter import record_passes
 from real_models import model_path
 from typer.testing import CliRunner
 
@@ -76,14 +77,7 @@ def test_bench_command_prints_the_streamed_bandwidth(monkeypatch):
 def test_bench_parallel_runs_the_streams_in_shared_passes(monkeypatch):
     """`bench -np 3`: one stream alone, then three at once on the engine, whose decode steps
     share passes; the table has a row per count and --json gives each count's result."""
-    passes = []
-    forward_batch = Transformer.forward_batch
-
-    def spy(self, parts):
-        passes.append(len(parts))
-        return forward_batch(self, parts)
-
-    monkeypatch.setattr(Transformer, "forward_batch", spy)
+    passes = record_passes(monkeypatch)
     path = str(model_path("smollm2-135m"))
     out = CliRunner().invoke(app, ["bench", path, "-p", "8", "-n", "5", "-t", "1", "-np", "3",
                                    "-r", "1", "--json"])  # fmt: skip
@@ -91,5 +85,5 @@ def test_bench_parallel_runs_the_streams_in_shared_passes(monkeypatch):
     results = json.loads(out.output.strip().splitlines()[-1])
     assert [r["streams"] for r in results] == [1, 3]
     assert len(results[1]["ttft_s"]) == 3 and results[1]["gen_tokens"] == 5
-    assert max(passes) == 3  # the three streams' tokens in one pass
+    assert max(len(p) for p in passes) == 3  # the three streams' tokens in one pass
     assert "aggregate tok/s" in out.output
