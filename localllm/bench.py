@@ -249,30 +249,26 @@ def bench_parallel(
 
         def run(count: int) -> ParallelResult:
             prompts = [rng.integers(0, vocab, size=max(n_prompt, 1)).tolist() for _ in range(count)]
-            done = threading.Event()
+            ended = threading.Semaphore(0)  # released once per stream, at its end
             firsts: list[float] = [0.0] * count
-            left = [count]
-            lock = threading.Lock()
+            errors: list[BaseException] = []
 
             def emitter(k: int):
-                def emit(item) -> None:
-                    if isinstance(item, BaseException):
-                        errors.append(item)
-                    if not firsts[k] and not isinstance(item, BaseException) and item is not _END:
-                        firsts[k] = time.perf_counter()
+                def emit(item) -> None:  # on the engine thread
                     if item is _END or isinstance(item, BaseException):
-                        with lock:
-                            left[0] -= 1
-                            if not left[0]:
-                                done.set()
+                        if item is not _END:
+                            errors.append(item)
+                        ended.release()
+                    elif not firsts[k]:
+                        firsts[k] = time.perf_counter()
 
                 return emit
 
-            errors: list[BaseException] = []
             t0 = time.perf_counter()
             for k, prompt in enumerate(prompts):
                 engine.submit(Sequence(partial(greedy, prompt), emitter(k)))
-            done.wait()
+            for _ in prompts:
+                ended.acquire()
             end = time.perf_counter()
             if errors:
                 raise errors[0]
