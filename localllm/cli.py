@@ -333,14 +333,8 @@ def _one_shot(
     json_schema: Any = False,
     prompt_cache: bool = False,
 ) -> None:
-    from localllm.conversation import Conversation
-
     start = time.perf_counter()
-    conversation = Conversation(model, system=system, raw=raw, options=options)
-    conversation.think = think
-    conversation.json_schema = json_schema
-    if prompt_cache:
-        conversation.use_prompt_cache()
+    conversation = _conversation(model, system, raw, options, think, json_schema, prompt_cache)
     ids, dropped = conversation.ask(text, truncate=truncate)
     if dropped:
         _stderr(
@@ -412,6 +406,13 @@ def _chat(
     prompt_cache: bool = False,
 ) -> None:
     from localllm.chat import ChatSession
+
+    conversation = _conversation(model, system, raw, options, think, json_schema, prompt_cache)
+    ChatSession(conversation, label, verbose=verbose).run()
+
+
+def _conversation(model, system, raw, options, think, json_schema, prompt_cache):
+    """The Conversation `run` holds, one-shot or in the chat, with its flags applied."""
     from localllm.conversation import Conversation
 
     conversation = Conversation(model, system=system, raw=raw, options=options)
@@ -419,7 +420,7 @@ def _chat(
     conversation.json_schema = json_schema
     if prompt_cache:
         conversation.use_prompt_cache()
-    ChatSession(conversation, label, verbose=verbose).run()
+    return conversation
 
 
 # ---------------------------------------------------------------------------------------------
