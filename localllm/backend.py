@@ -21,6 +21,11 @@ from localllm.quants import QuantType, intdot
 from localllm.quants.activations import Q8_BLOCK_SIZE, round_activations
 from localllm.threads import ThreadTuner, physical_cores
 
+# From this many tokens on (a prompt chunk, a batch of sequences), the integer products take
+# gemm.py's tiles, tokens in the SIMD lanes; below, intdot.py's, weights in the lanes (a tile of
+# 16 token lanes mostly empty costs more than it saves). Both give the same sums.
+TILE_MIN_TOKENS = 8
+
 Array = Any  # float32 arrays where the backend computes: numpy on the CPU, device arrays on CUDA
 
 
@@ -316,7 +321,10 @@ class CPUBackend:
                 else:
                     intdot.quantize_q8_tokens(x, super_block, *xq)
                 quantized[super_block] = xq
-            qt.int_matvec(tuple(raws), *xq, tuple(targets))
+            kernel = qt.int_matvec
+            if n_tokens >= TILE_MIN_TOKENS and qt.int_matmul is not None:
+                kernel = qt.int_matmul  # the same sums, with the tokens in the SIMD lanes
+            kernel(tuple(raws), *xq, tuple(targets))
 
     def embed(self, w: QuantWeight, token_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out = rows token_ids of the embedding matrix: float32[n_tokens, n_cols].

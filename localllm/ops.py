@@ -21,8 +21,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from localllm.quants.activations import f16_bits, round_f16
+from localllm.quants.cpu import host_features
 from localllm.quants.float import _bits_to_f32, f16_to_f32
-from localllm.quants.intdot import host_features
 
 
 @njit(cache=True)

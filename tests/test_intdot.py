@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from random_blocks import ggml_id, random_weights, read_only
 
-from localllm.quants import QUANT_TYPES, dequantize, get_quant_type, intdot
+from localllm.quants import QUANT_TYPES, dequantize, gemm, get_quant_type, intdot
 from localllm.quants.activations import Q8_BLOCK_SIZE, round_activations
 
 pytestmark = pytest.mark.skipif(not intdot.AVAILABLE, reason="no integer kernels for this CPU")
@@ -32,7 +32,7 @@ def reference(raw: np.ndarray, ggml_type: int, x: np.ndarray, xq: tuple) -> np.n
     """ggml's dot products in float64: dequantized weights times the quantized activations. For
     Q4_1/Q5_1, ggml takes sum(x) from the f16-rounded block sum xs (as quantize_q8 stores it)."""
     w = dequantize(raw, ggml_type).astype(np.float64)  # bit-exact, tested in test_quants
-    q, d, s, _ = (a.astype(np.float64) for a in xq)
+    q, d, s = (a.astype(np.float64) for a in xq[:3])
     xr = q * np.repeat(d, 32, axis=1)
     out = xr @ w.T
     qt = get_quant_type(ggml_type)
@@ -50,11 +50,12 @@ def test_quantize_q8_equals_round_activations():
     x[1, :256] = 0.0  # an all-zero super-block
     x[2, 7] = -40.0  # the largest magnitude negative (Q8_K scales by it)
     for ggml_type, kind in ((8, "q8_0"), (3, "q8_1"), (12, "q8_K")):
-        xq, xd, xs, xl = quantized(x, ggml_type)
+        xq, xd, xs, xl, xb = quantized(x, ggml_type)
         rounded = round_activations(x, kind, np.empty_like(x))
         np.testing.assert_array_equal(xq * np.repeat(xd, 32, axis=1), rounded)
         q = xq.astype(np.int64)
         np.testing.assert_array_equal(xl, q.reshape(3, -1, 4).sum(axis=2))
+        np.testing.assert_array_equal(xb, q.reshape(3, -1, 16).sum(axis=2))
         sums = q.reshape(3, -1, 32).sum(axis=2) * xd.astype(np.float64)
         if kind != "q8_K":  # stored as f16 (Q8_1 in ggml), from the unrounded scale
             np.testing.assert_allclose(xs, sums, rtol=2e-3, atol=1e-6)
@@ -161,7 +162,7 @@ def test_other_instruction_sets(instruction_set, tmp_path):
     code = "from localllm.quants import intdot; print(intdot.INSTRUCTION_SET)"
     assert run_for_target(instruction_set, tmp_path, "-c", code).strip() == instruction_set
     tests = str(Path(__file__).parent / "test_intdot.py")
-    select = "matches_reference and 37 or agree"
+    select = "matches_reference and 37 or agree or tiles_equal"
     run_for_target(
         instruction_set,
         tmp_path,
@@ -239,3 +240,51 @@ def test_a_tile_of_tokens_gives_each_token_its_own_result(name):
         alone = np.zeros((1, n_rows), np.float32)
         get_quant_type(ggml_type).int_matvec((raw,), *(a[t : t + 1] for a in xq), (alone,))
         np.testing.assert_array_equal(batch[t], alone[0])
+
+
+needs_tiles = pytest.mark.skipif(not gemm.AVAILABLE, reason="no vpdpbusd: no prefill tiles")
+
+
+@needs_tiles
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_prefill_tiles_equal_the_matvec_bit_for_bit(name):
+    """gemm.py's tiles (tokens in the lanes) give every token exactly the matvec's result:
+    rows not a multiple of ROWS, tokens not a multiple of the lanes (a pair of tile vectors and
+    a single one), two weights in one call."""
+    ggml_type = TYPES[name]
+    qt = get_quant_type(ggml_type)
+    rng = np.random.default_rng(ggml_type + 1000)
+    n_cols = 512 if qt.block_size == 256 else 352
+    raws = tuple(read_only(random_weights(name, n, n_cols, rng)) for n in (9, 4))
+    n_tokens = 2 * gemm.LANES + 5
+    x = rng.standard_normal((n_tokens, n_cols)).astype(np.float32)
+    x[3] *= 50.0  # tokens of very different scales side by side
+    xq = intdot.activation_buffers(n_tokens, n_cols)
+    intdot.quantize_q8_tokens(x, Q8_BLOCK_SIZE[qt.vec_dot_type], *xq)
+    tiled = tuple(np.full((n_tokens, raw.shape[0]), np.nan, np.float32) for raw in raws)
+    qt.int_matmul(raws, *xq, tiled)
+    for raw, out in zip(raws, tiled):
+        alone = np.full((n_tokens, raw.shape[0]), np.nan, np.float32)
+        qt.int_matvec((raw,), *xq, (alone,))
+        np.testing.assert_array_equal(out, alone)
+
+
+@needs_tiles
+@pytest.mark.slow
+def test_prefill_tiles_over_several_blocks_of_tokens():
+    """More tiles than one block of packed activations holds (gemm.TILE_BLOCK_BYTES)."""
+    ggml_type = TYPES["Q4_K"]
+    qt = get_quant_type(ggml_type)
+    rng = np.random.default_rng(5)
+    n_cols = 4096
+    per_block = max(gemm.MIN_TILES, gemm.TILE_BLOCK_BYTES // gemm.tile_bytes(n_cols))
+    n_tokens = (2 * per_block + 1) * gemm.LANES + 3
+    raw = read_only(random_weights("Q4_K", 6, n_cols, rng))
+    x = rng.standard_normal((n_tokens, n_cols)).astype(np.float32)
+    xq = intdot.activation_buffers(n_tokens, n_cols)
+    intdot.quantize_q8_tokens(x, Q8_BLOCK_SIZE[qt.vec_dot_type], *xq)
+    tiled = np.full((n_tokens, 6), np.nan, np.float32)
+    alone = np.full((n_tokens, 6), np.nan, np.float32)
+    qt.int_matmul((raw,), *xq, (tiled,))
+    qt.int_matvec((raw,), *xq, (alone,))
+    np.testing.assert_array_equal(tiled, alone)

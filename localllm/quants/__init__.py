@@ -28,8 +28,8 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType
 
 from ..errors import LocalLLMError
+from . import blocks, gemm, intdot, iquants, kquants, legacy, mxfp4, ternary
 from . import float as fp
-from . import intdot, iquants, kquants, legacy, mxfp4, ternary
 from .activations import BF16, F16, NONE, Q8_0, Q8_1, Q8_K
 from .kernels import dequantize_kernel, matmul_kernel
 
@@ -39,7 +39,8 @@ class QuantType:
     """One GGML weight type: its block layout and kernels (all Numba, taking raw uint8 rows).
 
     A record names what is written per type (the row dequantizer, the float matvec, the
-    integer dot's block unpacker); the factories in kernels.py and intdot.py make the rest."""
+    integer dot's block reader); the factories in kernels.py, intdot.py and gemm.py make the
+    rest."""
 
     ggml_type: int  # GGML type id
     name: str  # "Q4_K"
@@ -48,21 +49,28 @@ class QuantType:
     vec_dot_type: str  # the activation type ggml's CPU dot product uses (activations.py)
     dequantize_row: Callable  # (row: uint8[row_bytes], out: float32[n_cols]), Numba-only
     matvec: Callable  # (w: uint8[n_rows, row_bytes], x: float32[n_cols], out: float32[n_rows])
-    dot_unpacker: Callable | None = None  # intdot's block unpacker, None: float kernels only
+    dot_unpacker: Callable | None = None  # its block reader (blocks.py), None: float kernels only
     cuda: bool = False  # cuda/kernels.dequantize_chunk has this type
     # made from the fields above by the factories:
     dequantize: Callable = field(init=False)  # (raw: uint8[n_rows, row_bytes]) -> float32[..]
     matmul: Callable = field(init=False)  # (w, x: float32[n_tokens, n_cols], out: float32[..])
-    int_matvec: Callable | None = field(init=False)  # intdot: (ws, xq, xd, xs, xl, outs) or None
+    # the integer kernels, or None: (ws, xq, xd, xs, xl, xb, outs), see intdot.quantize_q8;
+    # int_matvec with the weights in the SIMD lanes (a token or a few), int_matmul with the
+    # tokens in them (gemm.py: prompts and batches; None on CPUs without vpdpbusd)
+    int_matvec: Callable | None = field(init=False)
+    int_matmul: Callable | None = field(init=False)
 
     def __post_init__(self):
         set_field = object.__setattr__.__get__(self)  # frozen: the factories' results, once
         set_field("dequantize", dequantize_kernel(self))
         set_field("matmul", matmul_kernel(self))
-        int_matvec = None
+        int_matvec = int_matmul = None
         if self.dot_unpacker is not None:
             int_matvec = intdot.matvec_kernel(self.ggml_type, self.name.lower())
+            if gemm.AVAILABLE:
+                int_matmul = gemm.gemm_kernel(self.ggml_type, self.name.lower())
         set_field("int_matvec", int_matvec)
+        set_field("int_matmul", int_matmul)
 
 
 def _record(ggml_type, name, block_size, type_size, vec_dot_type, module, unpacker=None,
@@ -82,28 +90,28 @@ QUANT_TYPES: dict[int, QuantType] = {
         _record(0, "F32", 1, 4, NONE, fp),
         _record(1, "F16", 1, 2, F16, fp),
         _record(30, "BF16", 1, 2, BF16, fp),
-        _record(2, "Q4_0", 32, 18, Q8_0, legacy, intdot._q4_0),
-        _record(3, "Q4_1", 32, 20, Q8_1, legacy, intdot._q4_1),
-        _record(6, "Q5_0", 32, 22, Q8_0, legacy, intdot._q5_0),
-        _record(7, "Q5_1", 32, 24, Q8_1, legacy, intdot._q5_1),
-        _record(8, "Q8_0", 32, 34, Q8_0, legacy, intdot._q8_0),
-        _record(10, "Q2_K", 256, 84, Q8_K, kquants, intdot._q2_k),
-        _record(11, "Q3_K", 256, 110, Q8_K, kquants, intdot._q3_k),
-        _record(12, "Q4_K", 256, 144, Q8_K, kquants, intdot._q4_k),
-        _record(13, "Q5_K", 256, 176, Q8_K, kquants, intdot._q5_k),
-        _record(14, "Q6_K", 256, 210, Q8_K, kquants, intdot._q6_k),
-        _record(20, "IQ4_NL", 32, 18, Q8_0, iquants, intdot._iq4_nl, cuda=False),
-        _record(16, "IQ2_XXS", 256, 66, Q8_K, iquants, intdot._iq2_xxs, cuda=False),
-        _record(17, "IQ2_XS", 256, 74, Q8_K, iquants, intdot._iq2_xs, cuda=False),
-        _record(18, "IQ3_XXS", 256, 98, Q8_K, iquants, intdot._iq3_xxs, cuda=False),
-        _record(19, "IQ1_S", 256, 50, Q8_K, iquants, intdot._iq1_s, cuda=False),
-        _record(21, "IQ3_S", 256, 110, Q8_K, iquants, intdot._iq3_s, cuda=False),
-        _record(22, "IQ2_S", 256, 82, Q8_K, iquants, intdot._iq2_s, cuda=False),
-        _record(23, "IQ4_XS", 256, 136, Q8_K, iquants, intdot._iq4_xs, cuda=False),
-        _record(29, "IQ1_M", 256, 56, Q8_K, iquants, intdot._iq1_m, cuda=False),
-        _record(34, "TQ1_0", 256, 54, Q8_K, ternary, intdot._tq1_0, cuda=False),
-        _record(35, "TQ2_0", 256, 66, Q8_K, ternary, intdot._tq2_0, cuda=False),
-        _record(39, "MXFP4", 32, 17, Q8_0, mxfp4, intdot._mxfp4, cuda=False),
+        _record(2, "Q4_0", 32, 18, Q8_0, legacy, blocks.q4_0),
+        _record(3, "Q4_1", 32, 20, Q8_1, legacy, blocks.q4_1),
+        _record(6, "Q5_0", 32, 22, Q8_0, legacy, blocks.q5_0),
+        _record(7, "Q5_1", 32, 24, Q8_1, legacy, blocks.q5_1),
+        _record(8, "Q8_0", 32, 34, Q8_0, legacy, blocks.q8_0),
+        _record(10, "Q2_K", 256, 84, Q8_K, kquants, blocks.q2_k),
+        _record(11, "Q3_K", 256, 110, Q8_K, kquants, blocks.q3_k),
+        _record(12, "Q4_K", 256, 144, Q8_K, kquants, blocks.q4_k),
+        _record(13, "Q5_K", 256, 176, Q8_K, kquants, blocks.q5_k),
+        _record(14, "Q6_K", 256, 210, Q8_K, kquants, blocks.q6_k),
+        _record(20, "IQ4_NL", 32, 18, Q8_0, iquants, blocks.iq4_nl, cuda=False),
+        _record(16, "IQ2_XXS", 256, 66, Q8_K, iquants, blocks.iq2_xxs, cuda=False),
+        _record(17, "IQ2_XS", 256, 74, Q8_K, iquants, blocks.iq2_xs, cuda=False),
+        _record(18, "IQ3_XXS", 256, 98, Q8_K, iquants, blocks.iq3_xxs, cuda=False),
+        _record(19, "IQ1_S", 256, 50, Q8_K, iquants, blocks.iq1_s, cuda=False),
+        _record(21, "IQ3_S", 256, 110, Q8_K, iquants, blocks.iq3_s, cuda=False),
+        _record(22, "IQ2_S", 256, 82, Q8_K, iquants, blocks.iq2_s, cuda=False),
+        _record(23, "IQ4_XS", 256, 136, Q8_K, iquants, blocks.iq4_xs, cuda=False),
+        _record(29, "IQ1_M", 256, 56, Q8_K, iquants, blocks.iq1_m, cuda=False),
+        _record(34, "TQ1_0", 256, 54, Q8_K, ternary, blocks.tq1_0, cuda=False),
+        _record(35, "TQ2_0", 256, 66, Q8_K, ternary, blocks.tq2_0, cuda=False),
+        _record(39, "MXFP4", 32, 17, Q8_0, mxfp4, blocks.mxfp4, cuda=False),
     )
 }
 

@@ -1,0 +1,660 @@
+"""Each weight type's blocks as integers, in LLVM IR: what the integer kernels multiply.
+
+A block reader (one per type, named by its registry record's `dot_unpacker`) is a generator
+called with a `BlockReader` `e`, a pointer to one GGUF block and the index of its first 32-weight
+chunk in the row. It yields the block's chunks, then a `BlockEnd`:
+
+    Chunk(index, u, offset, scale)   32 weights: integer weight = u - offset (see Chunk)
+    BlockEnd(index, d, mins, dmin, fmin)
+
+and every kernel computes, per weight row and token, with the activations' int8 quants x and
+scales dx (activations.py), one block after another:
+
+    S   = sum over chunks of scale * sum(weight * x)            exact, in int32
+    acc = fma(float(S), d * dx, acc)
+    M   = sum over sub-blocks of mins * sum(x)                  exact (k-quants' minimums)
+    acc = fma(float(M), dmin * dx, acc)
+    acc = fma(fmin, xs, acc)                                    (Q4_1/Q5_1: xs = ggml's f16 sum)
+
+The integer sums are the same whatever order the SIMD lanes add them in, and the float steps
+are the same scalar operations in every kernel: a token gets bit-identical results from the
+matvec tiles (intdot.py, weights in the lanes) and the prefill tiles (gemm.py, tokens in the
+lanes), alone or in any batch.
+
+Each reader's `layout` says how its scales fall (Layout): gemm.py lays the unpacked blocks out
+by it. The readers follow ggml's block structs (ggml-common.h) and its vec_dot kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+from llvmlite import ir
+from numba.core import cgutils
+
+from .cpu import INSTRUCTION_SET
+from .iquants import (
+    IQ1_GRID,
+    IQ2S_GRID,
+    IQ2XS_GRID,
+    IQ2XXS_GRID,
+    IQ3S_GRID,
+    IQ3XXS_GRID,
+    KVALUES_IQ4NL,
+)
+
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+F32 = ir.FloatType()
+V4I32 = ir.VectorType(I32, 4)
+V16I8, V32I8 = ir.VectorType(I8, 16), ir.VectorType(I8, 32)
+V8I32, V8F32, V16I32 = ir.VectorType(I32, 8), ir.VectorType(F32, 8), ir.VectorType(I32, 16)
+ONE = ir.Constant(I32, 1)
+
+
+def splat(vec_type, value):
+    """A constant vector of one value."""
+    return ir.Constant(vec_type, [value] * vec_type.count)
+
+
+SIGNED = -1  # the offset of a chunk of int8 weights (Q8_0): u holds the weights themselves
+
+
+class Signs:
+    """The offset of a chunk of unsigned levels whose weights carry a sign of their own (the grid
+    types): `mask` <32 x i8> is -1 where the weight is negative, 1 elsewhere."""
+
+    def __init__(self, mask):
+        self.mask = mask
+
+
+class Chunk(NamedTuple):
+    """32 weights, columns 32 index .. 32 index + 31 of the row. u <32 x i8> holds levels; the
+    integer weight is u - offset for an int offset (an i32 value, or an <8 x i32> per lane of 4
+    weights), u itself for SIGNED, u negated where Signs.mask is -1. scale: None (1), an i32, or
+    an <8 x i32> per lane whose lanes 0-3 and 4-7 hold the scales of the two 16-weight halves."""
+
+    index: ir.Value
+    u: ir.Value
+    offset: object
+    scale: ir.Value | None = None
+
+
+class BlockEnd(NamedTuple):
+    """The end of a block whose first chunk is `index`: d (f32) multiplies its integer sum S.
+    mins (<8 x i32> per 32 weights or <16 x i32> per 16, the block's sub-blocks in order) times
+    the activation sums of their columns, times dmin (f32), is the k-quants' minimum term; fmin
+    (f32) times the activations' stored block sum is Q4_1/Q5_1's."""
+
+    index: ir.Value
+    d: ir.Value
+    mins: ir.Value | None = None
+    dmin: ir.Value | None = None
+    fmin: ir.Value | None = None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a reader's scales fall: columns per integer scale (16 or 32; 0: none, the chunks'
+    scale is None), per integer minimum (BlockEnd.mins; 0: none), and whether BlockEnd has fmin."""
+
+    sub_cols: int = 0
+    min_cols: int = 0
+    float_min: bool = False
+
+
+def layout(**fields):
+    """Decorator: the reader's Layout."""
+
+    def mark(reader):
+        reader.layout = Layout(**fields)
+        return reader
+
+    return mark
+
+
+class BlockReader:
+    """IR helpers to read a block's bytes (`b` is the llvmlite IRBuilder)."""
+
+    def __init__(self, builder):
+        self.b = builder
+
+    def load(self, base, offset, ty):
+        if isinstance(offset, int):
+            offset = ir.Constant(I64, offset)
+        return self.b.load(self.b.bitcast(self.b.gep(base, [offset]), ty.as_pointer()), align=1)
+
+    def f16(self, block, offset):
+        """The IEEE half at block + offset as float (vcvtph2ps)."""
+        half = self.b.bitcast(self.load(block, offset, I16), ir.HalfType())
+        return self.b.fpext(half, F32)
+
+    def byte(self, block, offset):
+        """An unsigned byte of the block as i32."""
+        return self.b.zext(self.load(block, offset, I8), I32)
+
+    def chunk_index(self, c, k):
+        return self.b.add(c, ir.Constant(c.type, k))
+
+    def nibbles(self, v):
+        """(low, high) nibbles of a byte vector."""
+        return self.b.and_(v, splat(v.type, 15)), self.b.lshr(v, splat(v.type, 4))
+
+    def concat(self, lo, hi):
+        n = lo.type.count
+        mask = ir.Constant(ir.VectorType(I32, 2 * n), list(range(2 * n)))
+        return self.b.shuffle_vector(lo, hi, mask)
+
+    def bits_to_16(self, qh32):
+        """i32 whose bit i is bit 4 of weight i -> <32 x i8> of 0 or 16."""
+        mask = self.b.bitcast(qh32, ir.VectorType(ir.IntType(1), 32))
+        return self.b.select(mask, splat(V32I8, 16), ir.Constant(V32I8, None))
+
+    def splat8i(self, value):
+        """An i32 broadcast to <8 x i32>."""
+        one = self.b.insert_element(ir.Constant(V8I32, None), value, ir.Constant(I32, 0))
+        return self.b.shuffle_vector(one, ir.Constant(V8I32, None), ir.Constant(V8I32, [0] * 8))
+
+    def intrinsic(self, name, result, *operands):
+        fnty = ir.FunctionType(result, [v.type for v in operands])
+        return self.b.call(cgutils.get_or_insert_function(self.b.module, fnty, name), operands)
+
+    def lookup(self, table, indices):
+        """<32 x i8>: table[indices] per 128-bit half (vpshufb), indices < 16."""
+        return self.intrinsic("llvm.x86.avx2.pshuf.b", V32I8, table, indices)
+
+    def sign(self, v, s):
+        """v negated where s < 0, zeroed where s == 0 (vpsignb)."""
+        return self.intrinsic("llvm.x86.avx2.psign.b", V32I8, v, s)
+
+    def table(self, name, values, element=I32):
+        """A constant global array of this module (one per module, by name)."""
+        module = self.b.module
+        if name not in module.globals:
+            table_type = ir.ArrayType(element, len(values))
+            table = ir.GlobalVariable(module, table_type, name)
+            table.linkage, table.global_constant = "internal", True
+            table.initializer = ir.Constant(table_type, [int(v) for v in values])
+        return module.globals[name]
+
+    def gather(self, table, indices):
+        """<8 x i32>: table[indices[k]] (vpgatherdd)."""
+        base = self.b.bitcast(table, I8.as_pointer())
+        args = (ir.Constant(V8I32, None), base, indices, splat(V8I32, -1), ir.Constant(I8, 4))
+        return self.intrinsic("llvm.x86.avx2.gather.d.d.256", V8I32, *args)
+
+    def gather64(self, table, indices):
+        """<4 x i64>: table[indices[k]] for <4 x i32> indices (vpgatherdq)."""
+        base = self.b.bitcast(table, I8.as_pointer())
+        v4i64 = ir.VectorType(I64, 4)
+        args = (ir.Constant(v4i64, None), base, indices, splat(v4i64, -1), ir.Constant(I8, 8))
+        return self.intrinsic("llvm.x86.avx2.gather.d.q.256", v4i64, *args)
+
+    def sign_mask(self, bits32):
+        """<32 x i8>: -1 where bit k of the i32 bits32 is set, 1 elsewhere."""
+        mask = self.b.bitcast(bits32, ir.VectorType(ir.IntType(1), 32))
+        return self.b.select(mask, splat(V32I8, -1), splat(V32I8, 1))
+
+    def widen(self, block, offset, n):
+        """<n x i32>: n unsigned bytes at block + offset."""
+        return self.b.zext(self.load(block, offset, ir.VectorType(I8, n)), ir.VectorType(I32, n))
+
+    def lanes_of(self, values, k):
+        """<8 x i32> per lane from a vector of per-16-weight values: value k in lanes 0-3,
+        value k + 1 in lanes 4-7 (a chunk's two halves)."""
+        lanes = ir.Constant(V8I32, [k] * 4 + [k + 1] * 4)
+        return self.b.shuffle_vector(values, ir.Constant(values.type, None), lanes)
+
+
+# ---- legacy types: one block = one 32-weight chunk
+
+
+@layout()
+def q4_0(e, blk, c):
+    lo, hi = e.nibbles(e.load(blk, 2, V16I8))
+    yield Chunk(c, e.concat(lo, hi), 8)
+    yield BlockEnd(c, e.f16(blk, 0))
+
+
+@layout(float_min=True)
+def q4_1(e, blk, c):
+    lo, hi = e.nibbles(e.load(blk, 4, V16I8))
+    yield Chunk(c, e.concat(lo, hi), 0)
+    yield BlockEnd(c, e.f16(blk, 0), fmin=e.f16(blk, 2))
+
+
+@layout()
+def q5_0(e, blk, c):
+    lo, hi = e.nibbles(e.load(blk, 6, V16I8))
+    u = e.b.or_(e.concat(lo, hi), e.bits_to_16(e.load(blk, 2, I32)))
+    yield Chunk(c, u, 16)
+    yield BlockEnd(c, e.f16(blk, 0))
+
+
+@layout(float_min=True)
+def q5_1(e, blk, c):
+    lo, hi = e.nibbles(e.load(blk, 8, V16I8))
+    u = e.b.or_(e.concat(lo, hi), e.bits_to_16(e.load(blk, 4, I32)))
+    yield Chunk(c, u, 0)
+    yield BlockEnd(c, e.f16(blk, 0), fmin=e.f16(blk, 2))
+
+
+@layout()
+def q8_0(e, blk, c):
+    yield Chunk(c, e.load(blk, 2, V32I8), SIGNED)
+    yield BlockEnd(c, e.f16(blk, 0))
+
+
+# ---- k-quants: 256-weight super-blocks = 8 chunks
+
+
+def _scales_mins_k4(e, blk):
+    """(scales, mins): <8 x i32> each, the 6-bit scales and mins of the 8 sub-blocks from the 12
+    packed bytes at offset 4, unpacked with 32-bit masks as ggml's vec_dot_q4_K_q8_K does."""
+    b = e.b
+    w0, w1, w2 = (e.load(blk, 4 + 4 * i, I32) for i in range(3))
+
+    def c(v):
+        return ir.Constant(I32, v)
+
+    m1, m2, m3 = c(0x3F3F3F3F), c(0x0F0F0F0F), c(0x03030303)
+    scales_lo = b.and_(w0, m1)
+    scales_hi = b.or_(b.and_(w2, m2), b.shl(b.and_(b.lshr(w0, c(6)), m3), c(4)))
+    mins_lo = b.and_(w1, m1)
+    mins_hi = b.or_(b.and_(b.lshr(w2, c(4)), m2), b.shl(b.and_(b.lshr(w1, c(6)), m3), c(4)))
+
+    def eight_bytes(lo, hi):
+        pair = b.insert_element(ir.Constant(ir.VectorType(I32, 2), None), lo, c(0))
+        pair = b.insert_element(pair, hi, c(1))
+        return b.zext(b.bitcast(pair, ir.VectorType(I8, 8)), V8I32)
+
+    return eight_bytes(scales_lo, scales_hi), eight_bytes(mins_lo, mins_hi)
+
+
+def _k_asymmetric(e, blk, c0, quants_at, high_bits_at):
+    """Q4_K / Q5_K: w = d * sc * q - dmin * m per 32-weight sub-block, 6-bit sc and m."""
+    b = e.b
+    scales, mins = _scales_mins_k4(e, blk)
+    qh = e.load(blk, high_bits_at, V32I8) if high_bits_at else None
+    for j in range(4):
+        lo, hi = e.nibbles(e.load(blk, quants_at + 32 * j, V32I8))
+        for k, u in ((2 * j, lo), (2 * j + 1, hi)):
+            if qh is not None:  # bit k of qh[l] is bit 4 of weight 32k + l
+                bit = b.and_(b.lshr(qh, splat(V32I8, k)), splat(V32I8, 1))
+                u = b.or_(u, b.shl(bit, splat(V32I8, 4)))
+            yield Chunk(e.chunk_index(c0, k), u, 0, b.extract_element(scales, ir.Constant(I32, k)))
+    yield BlockEnd(c0, e.f16(blk, 0), mins, b.fneg(e.f16(blk, 2)))
+
+
+@layout(sub_cols=32, min_cols=32)
+def q4_k(e, blk, c0):
+    return _k_asymmetric(e, blk, c0, quants_at=16, high_bits_at=0)
+
+
+@layout(sub_cols=32, min_cols=32)
+def q5_k(e, blk, c0):
+    return _k_asymmetric(e, blk, c0, quants_at=48, high_bits_at=16)
+
+
+@layout(sub_cols=16)
+def q6_k(e, blk, c0):
+    """ql[128] | qh[64] | scales int8[16] | d f16: w = d * sc * (q - 32), 16-weight scales."""
+    b = e.b
+    scales = b.sext(e.load(blk, 192, V16I8), V16I32)  # the 16 scales, once
+    two_bits = splat(V32I8, 0x30)
+    for h in range(2):
+        ql0, ql1 = e.load(blk, 64 * h, V32I8), e.load(blk, 64 * h + 32, V32I8)
+        qh = e.load(blk, 128 + 32 * h, V32I8)
+        lo0, hi0 = e.nibbles(ql0)
+        lo1, hi1 = e.nibbles(ql1)
+        for g, low in enumerate((lo0, lo1, hi0, hi1)):
+            # bits 2g, 2g + 1 of qh are bits 4-5 of the weight: one shift and one mask
+            shift = 4 - 2 * g
+            if shift > 0:
+                top = b.shl(qh, splat(V32I8, shift))
+            elif shift < 0:
+                top = b.lshr(qh, splat(V32I8, -shift))
+            else:
+                top = qh
+            u = b.or_(low, b.and_(top, two_bits))
+            k = 8 * h + 2 * g
+            yield Chunk(e.chunk_index(c0, 4 * h + g), u, 32, e.lanes_of(scales, k))
+    yield BlockEnd(c0, e.f16(blk, 208))
+
+
+def _crumbs(e, blk, offset, h, j):
+    """2-bit fields j of the 32 bytes at offset + 32h: the low bits of chunk 4h + j."""
+    q = e.load(blk, offset + 32 * h, V32I8)
+    return e.b.and_(e.b.lshr(q, splat(V32I8, 2 * j)), splat(V32I8, 3))
+
+
+@layout(sub_cols=16, min_cols=16)
+def q2_k(e, blk, c0):
+    """scales[16] (4-bit scale | 4-bit min << 4) | qs[64] | d f16 | dmin f16:
+    w = d * sc * q - dmin * m per 16 weights, q 2 bits."""
+    b = e.b
+    packed = e.widen(blk, 0, 16)
+    scales = b.and_(packed, splat(V16I32, 15))
+    for h in range(2):
+        for j in range(4):
+            k = 8 * h + 2 * j
+            yield Chunk(e.chunk_index(c0, 4 * h + j), _crumbs(e, blk, 16, h, j), 0,
+                        e.lanes_of(scales, k))  # fmt: skip
+    mins = b.lshr(packed, splat(V16I32, 4))
+    yield BlockEnd(c0, e.f16(blk, 80), mins, b.fneg(e.f16(blk, 82)))
+
+
+def _q3_k_scales(e, blk):
+    """<16 x i32>: the 16 6-bit scales from the 12 packed bytes at offset 96, minus 32, as ggml
+    unpacks them."""
+    b = e.b
+
+    def bits(v, shift, mask):
+        return b.and_(b.lshr(v, ir.Constant(I32, shift)), ir.Constant(I32, mask))
+
+    scales = ir.Constant(V16I32, None)
+    for k in range(16):
+        group, i = divmod(k, 4)
+        low = bits(e.byte(blk, 96 + 4 * (group % 2) + i), 4 * (group // 2), 15)
+        high = bits(e.byte(blk, 96 + 8 + i), 2 * group, 3)
+        value = b.sub(b.or_(low, b.shl(high, ir.Constant(I32, 4))), ir.Constant(I32, 32))
+        scales = b.insert_element(scales, value, ir.Constant(I32, k))
+    return scales
+
+
+@layout(sub_cols=16)
+def q3_k(e, blk, c0):
+    """hmask[32] | qs[64] | scales[12] (16 x 6 bits) | d f16: w = d * (sc - 32) * (q - 4) per 16
+    weights, q = 2 low bits | (hmask bit) << 2."""
+    b = e.b
+    hmask = e.load(blk, 0, V32I8)
+    scales = _q3_k_scales(e, blk)
+    for h in range(2):
+        for j in range(4):
+            bit = b.and_(b.lshr(hmask, splat(V32I8, 4 * h + j)), splat(V32I8, 1))
+            u = b.or_(_crumbs(e, blk, 32, h, j), b.shl(bit, splat(V32I8, 2)))
+            yield Chunk(e.chunk_index(c0, 4 * h + j), u, 4, e.lanes_of(scales, 8 * h + 2 * j))
+    yield BlockEnd(c0, e.f16(blk, 108))
+
+
+# ---- i-quants: 4-bit indices into ggml's non-uniform grid kvalues_iq4nl
+
+
+def _iq4_levels(e, packed, grid=KVALUES_IQ4NL):
+    """(u, offset) of 32 weights from 16 bytes of 4-bit indices (low nibbles, then high): the
+    int8 levels of `grid` looked up with vpshufb, which indexes each 128-bit half of the table
+    separately, so the 16 levels sit in both halves. For vpdpbusd the table holds the levels
+    + 128 (unsigned, 128 subtracted through the lane sums); AVX2 takes the int8 levels with
+    ggml's sign trick."""
+    lo, hi = e.nibbles(packed)
+    if INSTRUCTION_SET == "vnni":
+        levels, offset = [v + 128 for v in grid], 128
+    else:
+        levels, offset = list(grid), SIGNED
+    table = ir.Constant(V32I8, [v if v < 128 else v - 256 for v in levels * 2])
+    return e.lookup(table, e.concat(lo, hi)), offset
+
+
+@layout()
+def iq4_nl(e, blk, c):
+    """d f16 | qs[16]: w = d * level[q], as Q4_0 with a grid for q - 8."""
+    u, offset = _iq4_levels(e, e.load(blk, 2, V16I8))
+    yield Chunk(c, u, offset)
+    yield BlockEnd(c, e.f16(blk, 0))
+
+
+# MXFP4: the e2m1 grid doubled (as int8), and the E8M0 exponent halved as the scale
+KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def _e8m0_half(e, exponent):
+    """float 2^(exponent - 128) from an i32 byte, as ggml_e8m0_to_fp32_half builds its bits:
+    0x00200000 << e below 2 (subnormals), else (e - 1) << 23."""
+    b = e.b
+    small = b.shl(ir.Constant(I32, 0x00200000), exponent)
+    normal = b.shl(b.sub(exponent, ONE), ir.Constant(I32, 23))
+    below = b.icmp_unsigned("<", exponent, ir.Constant(I32, 2))
+    return b.bitcast(b.select(below, small, normal), F32)
+
+
+@layout()
+def mxfp4(e, blk, c):
+    """e u8 | qs[16]: w = 2^(e - 128) * grid[q], as IQ4_NL with the MXFP4 grid and an E8M0
+    scale (ggml's vec_dot_mxfp4_q8_0)."""
+    u, offset = _iq4_levels(e, e.load(blk, 1, V16I8), KVALUES_MXFP4)
+    yield Chunk(c, u, offset)
+    yield BlockEnd(c, _e8m0_half(e, e.byte(blk, 0)))
+
+
+@layout(sub_cols=32)
+def iq4_xs(e, blk, c0):
+    """d f16 | scales_h u16 | scales_l[4] | qs[128]: w = d * (ls - 32) * level[q] per 32
+    weights (ggml's vec_dot_iq4_xs_q8_K)."""
+    b = e.b
+    scales_h = b.zext(e.load(blk, 2, I16), I32)
+    for j in range(8):
+        low = b.lshr(e.byte(blk, 4 + j // 2), ir.Constant(I32, 4 * (j % 2)))
+        high = b.and_(b.lshr(scales_h, ir.Constant(I32, 2 * j)), ir.Constant(I32, 3))
+        ls = b.or_(b.and_(low, ir.Constant(I32, 15)), b.shl(high, ir.Constant(I32, 4)))
+        u, offset = _iq4_levels(e, e.load(blk, 8 + 16 * j, V16I8))
+        yield Chunk(e.chunk_index(c0, j), u, offset, b.sub(ls, ir.Constant(I32, 32)))
+    yield BlockEnd(c0, e.f16(blk, 0))
+
+
+# ---- grid types: indices into ggml's tables of 4 or 8 levels, a sign bit per weight
+
+
+@layout(sub_cols=32)
+def iq3_s(e, blk, c0):
+    """d f16 | qs[64] | qh[8] | signs[32] | scales[4]: w = d * (1 + 2 * scale) * level * sign
+    (see iquants.py). Per 32 weights: 8 9-bit grid indices -> one vpgatherdd of 8 x 4 levels,
+    the 32 sign bits; as ggml's vec_dot_iq3_s_q8_K."""
+    b = e.b
+    table = e.table("iq3s_grid", IQ3S_GRID.view("<u4").reshape(-1))
+    bit_of = ir.Constant(V8I32, list(range(8)))
+    for j in range(8):
+        low = e.widen(blk, 2 + 8 * j, 8)
+        high = b.and_(b.lshr(e.splat8i(e.byte(blk, 66 + j)), bit_of), splat(V8I32, 1))
+        levels = b.bitcast(e.gather(table, b.or_(low, b.shl(high, splat(V8I32, 8)))), V32I8)
+        signs = Signs(e.sign_mask(e.load(blk, 74 + 4 * j, I32)))
+        scale = b.and_(b.lshr(e.byte(blk, 106 + j // 2), ir.Constant(I32, 4 * (j % 2))),
+                       ir.Constant(I32, 15))  # fmt: skip
+        odd = b.add(b.shl(scale, ONE), ONE)
+        yield Chunk(e.chunk_index(c0, j), levels, signs, odd)
+    yield BlockEnd(c0, e.f16(blk, 0))
+
+
+def _splat4(e, value):
+    """<4 x i32> of an i32."""
+    one = e.b.insert_element(ir.Constant(V4I32, None), value, ir.Constant(I32, 0))
+    return e.b.shuffle_vector(one, ir.Constant(V4I32, None), ir.Constant(V4I32, [0] * 4))
+
+
+def _ksigns(e, fields):
+    """Signs of 32 weights from 4 lanes of 7 sign bits (the low 7 bits of each lane of <4 x i32>
+    fields, 8 weights each): the 8th bit is their parity (ggml's ksigns_iq2xs, vpopcntd)."""
+    b = e.b
+    fields = b.and_(fields, splat(V4I32, 127))
+    parity = b.and_(e.intrinsic("llvm.ctpop.v4i32", V4I32, fields), splat(V4I32, 1))
+    signs = b.or_(fields, b.shl(parity, splat(V4I32, 7)))
+    return Signs(e.sign_mask(b.bitcast(b.trunc(signs, ir.VectorType(I8, 4)), I32)))
+
+
+def _odd_halves(e, byte):
+    """<8 x i32>: 2s + 1 of the low nibble s of byte in lanes 0-3 (weights 0-15 of a chunk), of
+    its high nibble in lanes 4-7."""
+    b = e.b
+    nibbles = b.and_(b.lshr(e.splat8i(byte), ir.Constant(V8I32, [0] * 4 + [4] * 4)),
+                     splat(V8I32, 15))  # fmt: skip
+    return b.or_(b.shl(nibbles, splat(V8I32, 1)), splat(V8I32, 1))
+
+
+@layout(sub_cols=32)
+def iq3_xxs(e, blk, c0):
+    """d f16 | qs[64] | 8 x u32 (4 x 7 sign bits, scale s in bits 28-31): w = d * (2s + 1) / 4 *
+    level * sign (see iquants.py): one vpgatherdd of 8 grid entries per 32 weights, the sign
+    bytes' parity by vpopcntd, as in ggml's vec_dot_iq3_xxs_q8_K."""
+    b = e.b
+    table = e.table("iq3xxs_grid", IQ3XXS_GRID.view("<u4").reshape(-1))
+    for j in range(8):
+        levels = b.bitcast(e.gather(table, e.widen(blk, 2 + 8 * j, 8)), V32I8)
+        aux = e.load(blk, 66 + 4 * j, I32)
+        fields = b.lshr(_splat4(e, aux), ir.Constant(V4I32, [0, 7, 14, 21]))
+        odd = b.or_(b.shl(b.lshr(aux, ir.Constant(I32, 28)), ONE), ONE)
+        yield Chunk(e.chunk_index(c0, j), levels, _ksigns(e, fields), odd)
+    yield BlockEnd(c0, e.b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.25)))
+
+
+def _iq2_grid_table(e, name, grid):
+    return e.table(name, grid.view("<u8").reshape(-1), I64)
+
+
+@layout(sub_cols=32)
+def iq2_xxs(e, blk, c0):
+    """d f16 | 8 x (u32 of 4 grid indices, u32 of 4 x 7 sign bits and a scale s in bits 28-31):
+    w = d * (2s + 1) / 8 * level * sign. Per 32 weights one vpgatherdq of 4 grid entries of 8
+    levels; as ggml's vec_dot_iq2_xxs_q8_K."""
+    b = e.b
+    table = _iq2_grid_table(e, "iq2xxs_grid", IQ2XXS_GRID)
+    for j in range(8):
+        indices = b.zext(e.load(blk, 2 + 8 * j, ir.VectorType(I8, 4)), V4I32)
+        levels = b.bitcast(e.gather64(table, indices), V32I8)
+        aux = e.load(blk, 6 + 8 * j, I32)
+        fields = b.lshr(_splat4(e, aux), ir.Constant(V4I32, [0, 7, 14, 21]))
+        odd = b.or_(b.shl(b.lshr(aux, ir.Constant(I32, 28)), ONE), ONE)
+        yield Chunk(e.chunk_index(c0, j), levels, _ksigns(e, fields), odd)
+    yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
+
+
+@layout(sub_cols=16)
+def iq2_xs(e, blk, c0):
+    """d f16 | qs u16[32] (9-bit grid index | 7 sign bits << 9, per 8 weights) | scales[8] (4
+    bits per 16 weights): w = d * (2s + 1) / 8 * level * sign."""
+    b = e.b
+    table = _iq2_grid_table(e, "iq2xs_grid", IQ2XS_GRID)
+    for j in range(8):
+        q = b.zext(e.load(blk, 2 + 8 * j, ir.VectorType(I16, 4)), V4I32)
+        levels = b.bitcast(e.gather64(table, b.and_(q, splat(V4I32, 511))), V32I8)
+        signs = _ksigns(e, b.lshr(q, splat(V4I32, 9)))
+        yield Chunk(e.chunk_index(c0, j), levels, signs, _odd_halves(e, e.byte(blk, 66 + j)))
+    yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
+
+
+@layout(sub_cols=16)
+def iq2_s(e, blk, c0):
+    """d f16 | qs[32] | signs[32] | qh[8] | scales[8]: per 8 weights a 10-bit grid index (qs,
+    2 bits of qh), a sign bit per weight, 4-bit scales per 16: w = d * (2s + 1) / 8 * level *
+    sign."""
+    b = e.b
+    table = _iq2_grid_table(e, "iq2s_grid", IQ2S_GRID)
+    for j in range(8):
+        low = b.zext(e.load(blk, 2 + 4 * j, ir.VectorType(I8, 4)), V4I32)
+        qh = _splat4(e, e.byte(blk, 66 + j))
+        high = b.and_(b.lshr(qh, ir.Constant(V4I32, [0, 2, 4, 6])), splat(V4I32, 3))
+        indices = b.or_(low, b.shl(high, splat(V4I32, 8)))
+        levels = b.bitcast(e.gather64(table, indices), V32I8)
+        signs = Signs(e.sign_mask(e.load(blk, 34 + 4 * j, I32)))
+        yield Chunk(e.chunk_index(c0, j), levels, signs, _odd_halves(e, e.byte(blk, 74 + j)))
+    yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
+
+
+def _iq1_table(e):
+    """iq1s_grid with each level -1, 0, 1 as 8 * (level + 1): 8 * (level +- 1/8) is that minus
+    7 or 9, an integer offset (IQ1_DELTA = 1/8)."""
+    levels = ((IQ1_GRID.astype(np.int16) + 1) * 8).astype(np.uint8)
+    return e.table("iq1_grid", levels.view("<u8").reshape(-1), I64)
+
+
+@layout(sub_cols=32)
+def iq1_s(e, blk, c0):
+    """d f16 | qs[32] | qh u16[8] (4 x 3 high index bits, scale s, the delta's sign): w = d *
+    (2s + 1) * (level +- 1/8), here d / 8 * (2s + 1) * (8 * (level + 1) - (7 or 9))."""
+    b = e.b
+    table = _iq1_table(e)
+    for j in range(8):
+        qh = b.zext(e.load(blk, 34 + 2 * j, I16), I32)
+        low = b.zext(e.load(blk, 2 + 4 * j, ir.VectorType(I8, 4)), V4I32)
+        high = b.and_(b.lshr(_splat4(e, qh), ir.Constant(V4I32, [0, 3, 6, 9])), splat(V4I32, 7))
+        levels = b.bitcast(e.gather64(table, b.or_(low, b.shl(high, splat(V4I32, 8)))), V32I8)
+        negative = b.and_(b.lshr(qh, ir.Constant(I32, 15)), ONE)
+        offset = b.add(ir.Constant(I32, 7), b.shl(negative, ONE))
+        scale = b.and_(b.lshr(qh, ir.Constant(I32, 12)), ir.Constant(I32, 7))
+        yield Chunk(e.chunk_index(c0, j), levels, offset, b.or_(b.shl(scale, ONE), ONE))
+    yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
+
+
+@layout(sub_cols=16)
+def iq1_m(e, blk, c0):
+    """qs[32] | qh[16] (per 8 weights a nibble: 3 high index bits, the delta's sign) | scales
+    u16[4] (3-bit scales per 16 weights, the f16 d in the top nibbles): as IQ1_S, with an offset
+    per 8 weights (per pair of lanes) and a scale per 16 (lanes 0-3, 4-7)."""
+    b = e.b
+    table = _iq1_table(e)
+    sc = [b.zext(e.load(blk, 48 + 2 * i, I16), I32) for i in range(4)]
+    top = ir.Constant(I32, 0xF000)
+    bits = b.or_(
+        b.or_(b.lshr(b.and_(sc[0], top), ir.Constant(I32, 12)),
+              b.lshr(b.and_(sc[1], top), ir.Constant(I32, 8))),
+        b.or_(b.lshr(b.and_(sc[2], top), ir.Constant(I32, 4)), b.and_(sc[3], top)),
+    )  # fmt: skip
+    d = b.fpext(b.bitcast(b.trunc(bits, I16), ir.HalfType()), F32)
+    for j in range(8):
+        low = b.zext(e.load(blk, 4 * j, ir.VectorType(I8, 4)), V4I32)
+        qh = _splat4(e, b.zext(e.load(blk, 32 + 2 * j, I16), I32))
+        nibbles = b.and_(b.lshr(qh, ir.Constant(V4I32, [0, 4, 8, 12])), splat(V4I32, 15))
+        indices = b.or_(low, b.shl(b.and_(nibbles, splat(V4I32, 7)), splat(V4I32, 8)))
+        levels = b.bitcast(e.gather64(table, indices), V32I8)
+        negative = b.lshr(nibbles, splat(V4I32, 3))
+        offsets = b.add(splat(V4I32, 7), b.shl(negative, splat(V4I32, 1)))
+        per_lane = ir.Constant(V8I32, [0, 0, 1, 1, 2, 2, 3, 3])
+        offsets = b.shuffle_vector(offsets, ir.Constant(V4I32, None), per_lane)
+        shifts = ir.Constant(V8I32, [3 * (2 * (j % 2))] * 4 + [3 * (2 * (j % 2) + 1)] * 4)
+        scales = b.and_(b.lshr(e.splat8i(sc[j // 2]), shifts), splat(V8I32, 7))
+        odd = b.or_(b.shl(scales, splat(V8I32, 1)), splat(V8I32, 1))
+        yield Chunk(e.chunk_index(c0, j), levels, offsets, odd)
+    yield BlockEnd(c0, b.fmul(d, ir.Constant(F32, 0.125)))
+
+
+# ---- ternary: w = d * (q - 1), q in 0..2, one scale per 256 weights
+
+
+@layout()
+def tq2_0(e, blk, c0):
+    """qs[64] 2-bit | d f16: Q2_K's low bits without sub-block scales."""
+    for h in range(2):
+        for j in range(4):
+            yield Chunk(e.chunk_index(c0, 4 * h + j), _crumbs(e, blk, 0, h, j), 1)
+    yield BlockEnd(c0, e.f16(blk, 64))
+
+
+def _trits(e, v, power):
+    """Trit `power` (3^k, or a list of one per byte) of each byte of v: ((v * 3^k mod 256) * 3)
+    >> 8, 0..2 (see ternary.py), in 16-bit lanes as ggml does: v * (3^k << 8) mod 2^16 is
+    (v * 3^k mod 256) << 8 (vpmullw), and its high half times 3 the trit (vpmulhuw)."""
+    b = e.b
+    n = v.type.count
+    powers = [power] * n if isinstance(power, int) else power
+    wide, wider = ir.VectorType(I16, n), ir.VectorType(I32, n)
+    scaled = b.mul(b.zext(v, wide), ir.Constant(wide, [p << 8 for p in powers]))
+    high = b.lshr(b.mul(b.zext(scaled, wider), splat(wider, 3)), splat(wider, 16))
+    return b.trunc(high, v.type)
+
+
+@layout()
+def tq1_0(e, blk, c0):
+    """qs[48] | qh[4] | d f16: five trits per byte of qs, four per byte of qh (see ternary.py).
+    Chunks 0-4 are the trits of qs[0:32]; 5-7 pair the 16-weight trits of qs[32:48], the last
+    with qh's 16 weights (byte i's trit k is weight 240 + 4k + i)."""
+    b = e.b
+    low = e.load(blk, 0, V32I8)
+    for k in range(5):
+        yield Chunk(e.chunk_index(c0, k), _trits(e, low, 3**k), 1)
+    mid = e.load(blk, 32, V16I8)
+    halves = [_trits(e, mid, 3**k) for k in range(5)]
+    qh = e.load(blk, 48, ir.VectorType(I8, 4))
+    spread = b.shuffle_vector(qh, qh, ir.Constant(V16I32, [0, 1, 2, 3] * 4))
+    halves.append(_trits(e, spread, [3**k for k in range(4) for _ in range(4)]))
+    for j in range(3):
+        yield Chunk(e.chunk_index(c0, 5 + j), e.concat(halves[2 * j], halves[2 * j + 1]), 1)
+    yield BlockEnd(c0, e.f16(blk, 52))

@@ -1,0 +1,58 @@
+"""Which SIMD instructions the integer kernels may use: the CPU features Numba compiles for that
+this CPU also has (cpuid), never more.
+
+    INSTRUCTION_SET   "vnni" | "avx2" | None   (intdot.py's dot products; None: float kernels)
+    TILE_LANES        16 | 8 | 0              (gemm.py's token lanes: zmm, ymm, or no tiles)
+"""
+
+from __future__ import annotations
+
+import llvmlite.binding as llvm
+from numba.core import config as numba_config
+
+
+def host_features() -> set[str]:
+    """The features this CPU has, as LLVM reads them from cpuid (e.g. "avx512vnni", "avxvnni")."""
+    return {name for name, present in llvm.get_host_cpu_features().items() if present}
+
+
+def _target_features() -> set[str]:
+    """The CPU features Numba compiles for: $NUMBA_CPU_FEATURES if set, else the host's."""
+    if numba_config.CPU_FEATURES is not None:
+        return {f[1:] for f in numba_config.CPU_FEATURES.split(",") if f.startswith("+")}
+    return host_features()
+
+
+def _instruction_set(features: set[str]) -> str | None:
+    """ "vnni": vpdpbusd (AVX-512 VNNI with VL, or the VEX-coded AVX-VNNI); "avx2": vpmaddubsw +
+    vpmaddwd, ggml's AVX2 way; None: neither, the float kernels run instead.
+
+    Exact cpuid flags, never a CPU family: Zen 4 has AVX-512 VNNI but not AVX-VNNI, Alder Lake
+    the reverse, and the 256-bit vpdpbusd exists in either encoding only with its own flag."""
+    if {"avx512vnni", "avx512vl"} <= features or "avxvnni" in features:
+        return "vnni"
+    if {"avx2", "f16c"} <= features:
+        return "avx2"
+    return None
+
+
+def choose_instruction_set(target: set[str], host: set[str]) -> str | None:
+    """The instruction set for code compiled for `target` that runs on `host`: only what both
+    have, so that a target that claims more than this CPU has ($NUMBA_CPU_FEATURES) never makes
+    the kernels execute an instruction the CPU lacks (SIGILL)."""
+    return _instruction_set(target & host)
+
+
+def tile_lanes(features: set[str]) -> int:
+    """Tokens per vector of the prefill tiles (gemm.py): 16 with AVX-512 VNNI (zmm), 8 with the
+    256-bit vpdpbusd alone (AVX-VNNI, or AVX-512 VNNI without 512-bit registers in use), 0
+    without vpdpbusd: AVX2's vpmaddubsw saturates on the tiles' operands (unsigned activations
+    up to 255 times signed weights), so those CPUs run the matvec tiles of intdot.py."""
+    if _instruction_set(features) != "vnni":
+        return 0
+    return 16 if {"avx512vnni", "avx512f", "avx512bw"} <= features else 8
+
+
+_USABLE = _target_features() & host_features()
+INSTRUCTION_SET = _instruction_set(_USABLE)
+TILE_LANES = tile_lanes(_USABLE)

@@ -1,0 +1,450 @@
+"""Prefill tiles: integer matrix products with the tokens in the SIMD lanes (vpdpbusd on zmm, or
+ymm with AVX-VNNI alone), for prompts and batches.
+
+intdot.py puts a weight row's columns in the lanes: each vpdpbusd multiplies 32 weights with one
+token, and every 32 weights take a scale multiply and an add per token as well. Here a tile
+holds LANES tokens per vector: four consecutive int8 weights of one row are broadcast to every
+lane (an embedded broadcast, folded into vpdpbusd's memory operand), and one vpdpbusd gives 4
+columns x LANES tokens. The scales then cost one multiply per 16 or 32 columns for all the
+tile's tokens, and the dot products are nearly all the work: 216 G MAC/s on one Sapphire Rapids
+core for 4 rows x 32 tokens, against intdot's 40-45.
+
+Per row group (ROWS rows) and block of tokens:
+
+1. unpack: each row's blocks, read by the type's block reader (blocks.py), become int8 weights
+   s (u - offset, or the signed grid level), int32 scales and minimums, and per block the float
+   d (and dmin, fmin) and the correction C = -128 * sum(scale * s), into the thread's scratch;
+2. tiles: the activations go in as unsigned bytes x + 128 (x ^ 0x80), packed [column group of
+   4][token][4] (`pack_tiles`), so that vpdpbusd(u8 activations, i8 weights) gives
+   sum(s * x) + 128 * sum(s), which C cancels: the block's exact integer sum S, as intdot.py
+   computes it. The float steps after it are blocks.py's, the same operations lane by lane:
+   a token's outputs are bit-identical to its decode, alone or in any batch.
+
+The unpacked rows are reused by every tile of the block of tokens (TILE_BLOCK_BYTES of packed
+activations, which stay in L2), so a row's blocks are unpacked once per block of tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import config, get_thread_id, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .blocks import (
+    F32,
+    I8,
+    I32,
+    I64,
+    SIGNED,
+    V8I32,
+    V32I8,
+    BlockEnd,
+    BlockReader,
+    Chunk,
+    Signs,
+    splat,
+)
+from .cpu import TILE_LANES
+from .intdot import float_steps, reduce_add
+from .kernels import SOURCE_KEY, depends_on
+
+AVAILABLE = TILE_LANES > 0
+LANES = TILE_LANES or 16  # tokens per vector (16 only names the layout where there are no tiles)
+ROWS = 4  # weight rows per tile
+TILE_VECTORS = 2  # vectors of LANES tokens per tile: 4 x 2 x 16 = 128 int32 sums in 8 zmm
+# packed activations per block of tokens; whole tiles, at least MIN_TILES of them: a row's
+# unpacking is paid once per block
+TILE_BLOCK_BYTES = 1 << 20
+MIN_TILES = 4
+# a scratch per thread Numba may run (get_num_threads would keep the kernel out of the disk cache)
+MAX_THREADS = config.NUMBA_NUM_THREADS
+
+
+# ---- the thread's scratch: ROWS unpacked rows, sections of n_cols-dependent sizes
+
+
+def _scratch_sections(n_cols):
+    """(name, bytes per row) of the scratch, in order: s int8 per column, sc and mn int32 per 16
+    columns, then per 32-column unit (at most one block each) corr int32, d, dmin, fmin f32."""
+    per16, per32 = n_cols // 16 * 4, n_cols // 32 * 4
+    return (("s", n_cols), ("sc", per16), ("mn", per16), ("corr", per32), ("d", per32),
+            ("dmin", per32), ("fmin", per32))  # fmt: skip
+
+
+@njit(cache=True)
+def scratch_bytes(n_cols):
+    """Bytes of a row group's scratch: ROWS rows of the sections of _scratch_sections."""
+    return ROWS * (n_cols + 2 * (n_cols // 16 * 4) + 4 * (n_cols // 32 * 4))
+
+
+class _Scratch:
+    """Typed pointers into one row group's scratch (i8* base) for a row count of n_cols (i64)."""
+
+    TYPES = {"s": I8, "sc": I32, "mn": I32, "corr": I32, "d": F32, "dmin": F32, "fmin": F32}
+
+    def __init__(self, builder, base, n_cols):
+        self.b, self.base = builder, base
+        self.offsets, offset = {}, ir.Constant(I64, 0)
+        for name, _ in _scratch_sections(1):
+            self.offsets[name] = offset
+            size = {
+                "s": n_cols,
+                "sc": builder.udiv(n_cols, ir.Constant(I64, 4)),
+                "mn": builder.udiv(n_cols, ir.Constant(I64, 4)),
+            }.get(  # fmt: skip
+                name, builder.udiv(n_cols, ir.Constant(I64, 8))
+            )
+            offset = builder.add(offset, builder.mul(size, ir.Constant(I64, ROWS)))
+        self.n_cols = n_cols
+
+    def at(self, name, row, index):
+        """Pointer to element `index` (i64) of row `row` (int) of section `name`."""
+        b = self.b
+        per_row = {
+            "s": self.n_cols,
+            "sc": b.udiv(self.n_cols, ir.Constant(I64, 4)),
+            "mn": b.udiv(self.n_cols, ir.Constant(I64, 4)),
+        }.get(  # fmt: skip
+            name, b.udiv(self.n_cols, ir.Constant(I64, 8))
+        )
+        start = b.add(self.offsets[name], b.mul(per_row, ir.Constant(I64, row)))
+        section = b.bitcast(b.gep(self.base, [start]), self.TYPES[name].as_pointer())
+        return b.gep(section, [index])
+
+
+# ---- 1. unpack
+
+
+class _Unpacker(BlockReader):
+    """A block reader's chunks written out as int8 weights and int32 scales (see the module)."""
+
+    def __init__(self, builder, scratch, row, layout, chunks_per_block):
+        super().__init__(builder)
+        self.scratch, self.row, self.layout = scratch, row, layout
+        self.chunks_per_block = chunks_per_block
+        self.corr = cgutils.alloca_once_value(builder, ir.Constant(V8I32, None))
+
+    def weights(self, chunk):
+        """<32 x i8>: the chunk's integer weights."""
+        b, u, offset = self.b, chunk.u, chunk.offset
+        if isinstance(offset, Signs):
+            return self.sign(u, offset.mask)
+        if isinstance(offset, ir.Value):
+            if offset.type == I32:
+                return b.sub(u, b.bitcast(self.splat8i(b.mul(offset, ir.Constant(I32, 0x01010101))),
+                                          V32I8))  # fmt: skip
+            bytes8 = b.trunc(offset, ir.VectorType(I8, 8))  # per lane of 4 weights
+            spread = ir.Constant(ir.VectorType(I32, 32), [k // 4 for k in range(32)])
+            return b.sub(u, b.shuffle_vector(bytes8, ir.Constant(bytes8.type, None), spread))
+        if offset == SIGNED or offset == 0:
+            return u
+        return b.sub(u, splat(V32I8, offset))
+
+    def take(self, item):
+        b, s = self.b, self.scratch
+        if isinstance(item, Chunk):
+            weights = self.weights(item)
+            at = s.at("s", self.row, b.mul(item.index, ir.Constant(I64, 32)))
+            b.store(weights, b.bitcast(at, V32I8.as_pointer()), align=1)
+            # per lane: the sum of its 4 weights (vpdpbusd with unsigned ones), times the scale
+            ones = splat(V32I8, 1)
+            args = [b.bitcast(v, V8I32) for v in (ir.Constant(V8I32, None), ones, weights)]
+            sums = self.intrinsic("llvm.x86.avx512.vpdpbusd.256", V8I32, *args)
+            scale = item.scale
+            if scale is not None:
+                lanes = self.splat8i(scale) if scale.type == I32 else scale
+                sums = b.mul(sums, lanes)
+                self.store_scale(item.index, scale)
+            b.store(b.add(b.load(self.corr), sums), self.corr)
+            return
+        block = b.udiv(item.index, ir.Constant(I64, self.chunks_per_block))
+        correction = b.mul(reduce_add(self, b.load(self.corr)), ir.Constant(I32, -128))
+        b.store(ir.Constant(V8I32, None), self.corr)
+        b.store(correction, s.at("corr", self.row, block))
+        b.store(item.d, s.at("d", self.row, block))
+        if item.mins is not None:
+            n = item.mins.type.count
+            at = s.at("mn", self.row, b.mul(block, ir.Constant(I64, n)))
+            b.store(item.mins, b.bitcast(at, item.mins.type.as_pointer()), align=4)
+            b.store(item.dmin, s.at("dmin", self.row, block))
+        if item.fmin is not None:
+            b.store(item.fmin, s.at("fmin", self.row, block))
+
+    def store_scale(self, c, scale):
+        b, s = self.b, self.scratch
+        sub_cols = self.layout.sub_cols
+        if sub_cols == 32:
+            value = scale if scale.type == I32 else b.extract_element(scale, ir.Constant(I32, 0))
+            b.store(value, s.at("sc", self.row, c))
+            return
+        for half in range(2):  # 16-weight scales: lanes 0-3 and 4-7
+            value = scale
+            if scale.type != I32:
+                value = b.extract_element(scale, ir.Constant(I32, 4 * half))
+            index = b.add(b.mul(c, ir.Constant(I64, 2)), ir.Constant(I64, half))
+            b.store(value, s.at("sc", self.row, index))
+
+
+@intrinsic
+def _unpack(typingctx, ggml_type, w, r0, scratch):
+    """Rows r0 .. r0 + ROWS - 1 of w (the last row again where w has fewer) into scratch
+    (uint8[scratch_bytes(n_cols)])."""
+    if not isinstance(ggml_type, types.IntegerLiteral):
+        return None
+    from . import QUANT_TYPES  # the registry imports this module
+
+    qt = QUANT_TYPES[ggml_type.literal_value]
+    read_block = qt.dot_unpacker
+    chunks_per_block = qt.block_size // 32
+    sig = types.void(ggml_type, w, r0, scratch)
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        w = context.make_array(signature.args[1])(context, b, args[1])
+        r0 = context.cast(b, args[2], signature.args[2], types.int64)
+        base = context.make_array(signature.args[3])(context, b, args[3]).data
+        n_rows, row_bytes = (b.extract_value(w.shape, k) for k in (0, 1))
+        n_blocks = b.udiv(row_bytes, ir.Constant(I64, qt.type_size))
+        n_cols = b.mul(n_blocks, ir.Constant(I64, qt.block_size))
+        scratch = _Scratch(b, base, n_cols)
+        last = b.sub(n_rows, ir.Constant(I64, 1))
+        for r in range(ROWS):
+            row = b.add(r0, ir.Constant(I64, r))
+            row = b.select(b.icmp_signed("<", row, n_rows), row, last)
+            row_ptr = b.gep(w.data, [b.mul(row, row_bytes)])
+            e = _Unpacker(b, scratch, r, read_block.layout, chunks_per_block)
+            with cgutils.for_range(b, n_blocks) as loop:
+                block_ptr = b.gep(row_ptr, [b.mul(loop.index, ir.Constant(I64, qt.type_size))])
+                first = b.mul(loop.index, ir.Constant(I64, chunks_per_block))
+                for item in read_block(e, block_ptr, first):
+                    e.take(item)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# ---- 2. tiles
+
+
+@njit(cache=True)
+def tile_bytes(n_cols):
+    """Bytes of one packed tile of LANES tokens: activations + 128 [n_cols // 4][LANES][4], then
+    per 32 columns dx and xs (f32), per 16 columns the quants' sums (i32), each [..][LANES]."""
+    return LANES * (n_cols + n_cols // 32 * 8 + n_cols // 16 * 4)
+
+
+@njit(cache=True)
+def _pack_tile(xq, xd, xs, xb, t0, tile):
+    """Tokens t0 .. t0 + LANES - 1 (zeros past the last) into one packed tile (tile_bytes)."""
+    n_tokens, n_cols = xq.shape
+    lanes = LANES
+    n32, n16 = n_cols // 32, n_cols // 16
+    quants = tile[: n_cols * lanes].view(np.uint32)  # 4 quants + 128 per lane and column group
+    floats = tile[n_cols * lanes : n_cols * lanes + 8 * n32 * lanes].view(np.float32)
+    sums = tile[n_cols * lanes + 8 * n32 * lanes :].view(np.int32)
+    for lane in range(lanes):
+        t = t0 + lane
+        if t < n_tokens:
+            row = xq[t].view(np.uint32)
+            for g in range(n_cols // 4):
+                quants[g * lanes + lane] = row[g] ^ np.uint32(0x80808080)
+            for c in range(n32):
+                floats[c * lanes + lane] = xd[t, c]
+                floats[(n32 + c) * lanes + lane] = xs[t, c]
+            for c in range(n16):
+                sums[c * lanes + lane] = xb[t, c]
+        else:  # x = 0: adds nothing, whatever the weights
+            for g in range(n_cols // 4):
+                quants[g * lanes + lane] = np.uint32(0x80808080)
+            for c in range(n32):
+                floats[c * lanes + lane] = 0.0
+                floats[(n32 + c) * lanes + lane] = 0.0
+            for c in range(n16):
+                sums[c * lanes + lane] = 0
+
+
+def _tile_codegen(qt, n_vectors):
+    """The codegen of `_tile` for a type and tile width (see _tile)."""
+    read_block = qt.dot_unpacker
+    layout = read_block.layout
+    block_cols = qt.block_size
+    sub_cols = layout.sub_cols or block_cols  # columns per integer sum S or scaled part of it
+    n_subs = block_cols // sub_cols
+    lanes = LANES
+    vi32, vf32 = ir.VectorType(I32, lanes), ir.VectorType(F32, lanes)
+    dot_name = f"llvm.x86.avx512.vpdpbusd.{32 * lanes}"
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        e = BlockReader(b)  # for its IR helpers
+        base = context.make_array(signature.args[1])(context, b, args[1]).data
+        tiles = context.make_array(signature.args[2])(context, b, args[2])
+        k0, n_cols, t0, t_end, r0, n_rows = (
+            context.cast(b, args[i], signature.args[i], types.int64) for i in (3, 4, 6, 7, 8, 9)
+        )
+        out = context.make_array(signature.args[5])(context, b, args[5])
+        scratch = _Scratch(b, base, n_cols)
+        tile_size = b.extract_value(tiles.shape, 1)
+        n32 = b.udiv(n_cols, ir.Constant(I64, 32))
+        tile_ptrs = [b.gep(tiles.data, [b.mul(b.add(k0, ir.Constant(I64, v)), tile_size)])
+                     for v in range(n_vectors)]  # fmt: skip
+
+        def tile_vector(v, section, index, ty):
+            """<LANES x ty> at element `index` (per lane group) of a tile section."""
+            start = {"q": ir.Constant(I64, 0), "dx": b.mul(n_cols, ir.Constant(I64, lanes)),
+                     "xs": b.add(b.mul(n_cols, ir.Constant(I64, lanes)),
+                                 b.mul(n32, ir.Constant(I64, 4 * lanes))),
+                     "bs": b.add(b.mul(n_cols, ir.Constant(I64, lanes)),
+                                 b.mul(n32, ir.Constant(I64, 8 * lanes)))}[section]  # fmt: skip
+            at = b.add(start, b.mul(index, ir.Constant(I64, 4 * lanes)))
+            return b.load(b.bitcast(b.gep(tile_ptrs[v], [at]), ty.as_pointer()), align=4)
+
+        def broadcast(value, vtype):
+            one = b.insert_element(ir.Constant(vtype, None), value, ir.Constant(I32, 0))
+            mask = ir.Constant(ir.VectorType(I32, lanes), None)
+            return b.shuffle_vector(one, ir.Constant(vtype, None), mask)
+
+        def dot(acc, a, w):
+            return e.intrinsic(dot_name, vi32, acc, a, w)
+
+        acc = [[cgutils.alloca_once_value(b, ir.Constant(vf32, None)) for _ in range(n_vectors)]
+               for _ in range(ROWS)]  # fmt: skip
+        n_blocks = b.udiv(n_cols, ir.Constant(I64, block_cols))
+        with cgutils.for_range(b, n_blocks) as loop:
+            blk = loop.index
+            corr = [broadcast(b.load(scratch.at("corr", r, blk)), vi32) for r in range(ROWS)]
+            total = [[corr[r]] * n_vectors for r in range(ROWS)]
+            for sub in range(n_subs):
+                zero = ir.Constant(vi32, None)
+                isum = [[zero] * n_vectors for _ in range(ROWS)] if layout.sub_cols else total
+                for g in range(sub_cols // 4):
+                    group = b.add(b.mul(blk, ir.Constant(I64, block_cols // 4)),
+                                  ir.Constant(I64, sub * sub_cols // 4 + g))  # fmt: skip
+                    a = [tile_vector(v, "q", group, vi32) for v in range(n_vectors)]
+                    for r in range(ROWS):
+                        at = scratch.at("s", r, b.mul(group, ir.Constant(I64, 4)))
+                        w4 = b.load(b.bitcast(at, I32.as_pointer()), align=4)
+                        w = broadcast(w4, vi32)
+                        for v in range(n_vectors):
+                            isum[r][v] = dot(isum[r][v], a[v], w)
+                if layout.sub_cols:
+                    index = b.add(b.mul(blk, ir.Constant(I64, n_subs)), ir.Constant(I64, sub))
+                    for r in range(ROWS):
+                        scale = broadcast(b.load(scratch.at("sc", r, index)), vi32)
+                        for v in range(n_vectors):
+                            total[r][v] = b.add(total[r][v], b.mul(isum[r][v], scale))
+            unit = b.mul(blk, ir.Constant(I64, block_cols // 32))  # the sections are per 32
+            dx = [tile_vector(v, "dx", unit, vf32) for v in range(n_vectors)]
+            xs = [tile_vector(v, "xs", unit, vf32) for v in range(n_vectors)]
+            for r in range(ROWS):
+                for v in range(n_vectors):
+                    end = BlockEnd(
+                        blk, b.load(scratch.at("d", r, blk)),
+                        mins=True if layout.min_cols else None,
+                        dmin=b.load(scratch.at("dmin", r, blk)) if layout.min_cols else None,
+                        fmin=b.load(scratch.at("fmin", r, blk)) if layout.float_min else None,
+                    )  # fmt: skip
+
+                    def mins_sum(_, r=r, v=v):
+                        n_mins = block_cols // layout.min_cols
+                        m_total = ir.Constant(vi32, None)
+                        for m in range(n_mins):
+                            index = b.add(b.mul(blk, ir.Constant(I64, n_mins)), ir.Constant(I64, m))
+                            m_value = broadcast(b.load(scratch.at("mn", r, index)), vi32)
+                            per16 = layout.min_cols // 16
+                            first16 = b.mul(index, ir.Constant(I64, per16))
+                            sums = tile_vector(v, "bs", first16, vi32)
+                            if per16 == 2:
+                                second = b.add(first16, ir.Constant(I64, 1))
+                                sums = b.add(sums, tile_vector(v, "bs", second, vi32))
+                            m_total = b.add(m_total, b.mul(m_value, sums))
+                        return m_total
+
+                    value = float_steps(e, b.load(acc[r][v]), total[r][v], end, dx[v], mins_sum,
+                                        xs[v])  # fmt: skip
+                    b.store(value, acc[r][v])
+        # out[t, r0 + r] for the tile's tokens t < t_end and rows r0 + r < n_rows
+        for r in range(ROWS):
+            row_ok = b.icmp_signed("<", ir.Constant(I64, r), n_rows)
+            for v in range(n_vectors):
+                values = b.load(acc[r][v])
+                for lane in range(lanes):
+                    t = b.add(t0, ir.Constant(I64, v * lanes + lane))
+                    ok = b.and_(row_ok, b.icmp_signed("<", t, t_end))
+                    with b.if_then(ok, likely=True):
+                        width = b.extract_value(out.shape, 1)
+                        at = b.add(b.mul(t, width), b.add(r0, ir.Constant(I64, r)))
+                        value = b.extract_element(values, ir.Constant(I32, lane))
+                        b.store(value, b.gep(out.data, [at]))
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def _tile(typingctx, ggml_type, n_vectors, scratch, tiles, k0, n_cols, out, t0, t_end, r0,
+          n_rows):  # fmt: skip
+    """out[t0 + i, r0 + r] = the scratch's unpacked row r . token i of tiles k0 .. k0 +
+    n_vectors - 1, for r < min(ROWS, n_rows) and t0 + i < t_end. ggml_type and n_vectors must
+    be compile-time constants."""
+    if not all(isinstance(v, types.IntegerLiteral) for v in (ggml_type, n_vectors)):
+        return None
+    from . import QUANT_TYPES  # the registry imports this module
+
+    qt = QUANT_TYPES[ggml_type.literal_value]
+    codegen = _tile_codegen(qt, n_vectors.literal_value)
+    args = (scratch, tiles, k0, n_cols, out, t0, t_end, r0, n_rows)
+    sig = types.void(ggml_type, n_vectors, *args)
+
+    def shifted(context, builder, signature, llargs):  # the codegen's indices skip ggml_type
+        inner = types.void(*signature.args[1:])
+        return codegen(context, builder, inner, llargs[1:])
+
+    return sig, shifted
+
+
+def gemm_kernel(ggml_type: int, name: str):
+    """The tiled integer matmul for a type whose record names a `dot_unpacker`: the same call as
+    intdot's matvec kernel, for any number of tokens."""
+    source_key = SOURCE_KEY
+
+    def gemm(ws, xq, xd, xs, xl, xb, outs):
+        """outs[i] = x @ ws[i].T for weights of this type sharing the input (see intdot's
+        matvec: the same arguments; xl is not used here)."""
+        depends_on(source_key)
+        n_tokens, n_cols = xq.shape
+        n_tiles = (n_tokens + LANES - 1) // LANES
+        size = tile_bytes(n_cols)
+        per_block = max(MIN_TILES, TILE_BLOCK_BYTES // size // TILE_VECTORS * TILE_VECTORS)
+        tiles = np.empty((min(per_block, n_tiles), size), np.uint8)
+        scratch = np.empty((MAX_THREADS, scratch_bytes(n_cols)), np.uint8)
+        bounds = np.empty(len(ws) + 1, np.int64)  # the row groups of ws[i]: bounds[i]..[i + 1]
+        bounds[0] = 0
+        for i in range(len(ws)):
+            bounds[i + 1] = bounds[i] + (ws[i].shape[0] + ROWS - 1) // ROWS
+        for kb in range(0, n_tiles, per_block):
+            n_block = min(per_block, n_tiles - kb)
+            for k in prange(n_block):
+                _pack_tile(xq, xd, xs, xb, (kb + k) * LANES, tiles[k])
+            paired = n_block // TILE_VECTORS * TILE_VECTORS
+            for g in prange(bounds[len(ws)]):
+                i = 0
+                while g >= bounds[i + 1]:
+                    i += 1
+                w, out = ws[i], outs[i]
+                r0 = (g - bounds[i]) * ROWS
+                own = scratch[get_thread_id()]
+                _unpack(ggml_type, w, r0, own)
+                n_rows = w.shape[0] - r0
+                for k in range(0, paired, TILE_VECTORS):
+                    t0 = (kb + k) * LANES
+                    _tile(ggml_type, TILE_VECTORS, own, tiles, k, n_cols, out, t0, n_tokens, r0,
+                          n_rows)  # fmt: skip
+                for k in range(paired, n_block):
+                    t0 = (kb + k) * LANES
+                    _tile(ggml_type, 1, own, tiles, k, n_cols, out, t0, n_tokens, r0, n_rows)
+
+    gemm.__qualname__ = f"gemm_{name}"
+    return njit(parallel=True, cache=True)(gemm)
