@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf_writer import write_gguf
-from random_blocks import F16_FIELDS
+from random_blocks import random_weights
 
 from localllm import cuda as localllm_cuda
 from localllm import ops
@@ -82,23 +82,9 @@ TYPES = [qt.name for qt in QUANT_TYPES.values() if qt.cuda]
 
 
 def random_raw(name: str, n_rows: int, n_cols: int, rng, scale: float = 0.05) -> np.ndarray:
-    """Random valid raw rows uint8[n_rows, row_bytes]: random quant bytes, f16 block scales
-    uniform in [-scale, scale] (some subnormal)."""
-    if name == "F32":
-        return rng.standard_normal((n_rows, n_cols)).astype(np.float32).view(np.uint8)
-    if name == "F16":
-        return rng.standard_normal((n_rows, n_cols)).astype(np.float16).view(np.uint8)
-    if name == "BF16":
-        bits = rng.standard_normal((n_rows, n_cols)).astype(np.float32).view(np.uint32) >> 16
-        return bits.astype(np.uint16).view(np.uint8)
-    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
-    n_blocks = n_cols // block_size
-    raw = rng.integers(0, 256, size=(n_rows, n_blocks, type_size), dtype=np.uint8)
-    for offset in F16_FIELDS[name]:
-        scales = rng.uniform(-scale, scale, size=(n_rows, n_blocks)).astype(np.float16)
-        scales.flat[::7] = np.float16(3e-6)  # subnormal in f16
-        raw[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(n_rows, n_blocks, 2)
-    return raw.reshape(n_rows, n_blocks * type_size)
+    """Random valid raw rows uint8[n_rows, row_bytes]: random quant bytes, block scales uniform
+    in [-scale, scale] (some zero, some subnormal), MXFP4 exponents near 1/64."""
+    return random_weights(name, n_rows, n_cols, rng, (-scale, scale))
 
 
 def tensor_info(name: str, ggml_type: int, raw: np.ndarray, n_cols: int) -> TensorInfo:
@@ -173,10 +159,18 @@ def test_cuda_f16_scales_decode_exactly():
 
 
 @needs_cuda
-def test_cuda_weight_rejects_unsupported_type():
+def test_cuda_weight_rejects_unsupported_type(monkeypatch):
+    """A type localllm does not know: the registry's error; one without CUDA kernels: the CUDA
+    backend's, naming the tensor, the type and what it runs."""
+    raw = np.zeros((2, 36), np.uint8)
+    with pytest.raises(LocalLLMError, match="blk.0.attn_q.weight.*Q8_1"):
+        backend().weight(tensor_info("blk.0.attn_q.weight", 9, raw, 64))  # Q8_1: activations only
+    from localllm.cuda import kernels
+
+    monkeypatch.setattr(kernels, "SUPPORTED_TYPES", (0, 8))
     raw = np.zeros((2, 66), np.uint8)
-    with pytest.raises(LocalLLMError, match="blk.0.attn_q.weight"):
-        backend().weight(tensor_info("blk.0.attn_q.weight", 16, raw, 256))  # IQ2_XXS
+    with pytest.raises(LocalLLMError, match=r"blk.0.attn_q.weight .*IQ2_XXS.*runs F32, Q8_0\)"):
+        backend().weight(tensor_info("blk.0.attn_q.weight", 16, raw, 256))
 
 
 # ---- norms, RoPE, attention, element-wise ----
@@ -397,8 +391,12 @@ def tiny_qwen2(path) -> dict:
 
 
 class ExactLinearCPU(CPUBackend):
-    """The CPU backend with its products as dequantize-then-float-dot (what the CUDA kernels do),
-    so that the comparison below does not depend on how the CPU kernels round activations."""
+    """The CPU backend with its products as dequantize-then-float-dot (what the CUDA kernels do)
+    and, as on CUDA, float32 activations and KV cache (no f16 rounding of K, V and q), so that
+    the comparison below does not depend on how the CPU rounds activations."""
+
+    def __init__(self):
+        super().__init__(llama_cpp_rounding=False)
 
     def linear_many(self, x, weights, outs):
         x64 = x.astype(np.float64)
@@ -430,8 +428,9 @@ def test_cuda_forward_matches_cpu(tmp_path):
 
 
 ARCH_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "architectures"
-# the families whose particulars have CUDA code paths of their own (softcap, fused views, MoE...)
-ARCH_CASES = ["gemma2", "granite", "olmo2", "phi3", "qwen2moe", "qwen3moe", "smollm3"]
+# the families whose particulars have CUDA code paths of their own (softcap, fused views, MoE,
+# attention sinks and MXFP4 experts...)
+ARCH_CASES = ["gemma2", "gpt-oss", "granite", "olmo2", "phi3", "qwen2moe", "qwen3moe", "smollm3"]
 
 
 @pytest.mark.slow

@@ -11,6 +11,11 @@ The dequantizers follow the float32 order of operations of gguf-py (see localllm
 dequantized weight is bit-exact with it; dot products are summed in a different order than on
 the CPU, so results agree to float32 rounding, not bit for bit.
 
+The fixed grids of the I-quants and the 4-bit levels of IQ4_NL/IQ4_XS and MXFP4 are module-level
+numpy arrays, which numba-cuda freezes into each kernel as constant memory. They are taken from
+the CPU modules (localllm/quants), flattened, and the grids kept as uint8/int8: as float32 the six
+grids would be 132 KiB, over the 64 KiB of constant memory a kernel may have.
+
 Halves (block scales, F16/BF16 weights) and F32 weights are decoded from their bytes with integer
 ops and `math.ldexp` (exact), so nothing depends on float16 loads or bit casts and one integer code
 path runs on the GPU and in the simulator. Reductions go through shared memory because the
@@ -24,11 +29,13 @@ import math
 import numpy as np
 from numba import cuda, types
 
-from localllm.quants import QUANT_TYPES
+from localllm.quants import QUANT_TYPES, iquants, mxfp4
 
 # GGML type ids (gguf.constants.GGMLQuantizationType)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 10, 11, 12, 13, 14, 30
+IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ4_NL, IQ3_S, IQ2_S, IQ4_XS = 16, 17, 18, 19, 20, 21, 22, 23
+IQ1_M, TQ1_0, TQ2_0, MXFP4 = 29, 34, 35, 39
 # the types dequantize_chunk has: those whose record (localllm.quants) says cuda=True
 SUPPORTED_TYPES = tuple(t for t, qt in QUANT_TYPES.items() if qt.cuda)
 
@@ -42,6 +49,20 @@ TOKEN_TILE = 8  # tokens that share one dequantized chunk in matmul
 MAX_BLOCK = 128
 MAX_LANES = 32  # threads per weight row in matvec/matmul: at most a warp
 GELU_C = np.float32(math.sqrt(2.0 / math.pi))
+
+# Lookup tables, constant memory on the GPU (see above). Levels as float32, grids flat:
+# grid entry g, level t is GRID[g * width + t] (width 4 or 8). numba-cuda makes a copy of a table
+# at each place the source names it, so a dequantizer names its table once (bound to a local
+# where it reads it twice), and the 16 KiB IQ1_GRID of IQ1_S and IQ1_M is named in one helper.
+IQ4NL_LEVELS = np.array(iquants.KVALUES_IQ4NL, np.float32)  # float32[16]
+MXFP4_LEVELS = np.ascontiguousarray(mxfp4.KVALUES, np.float32)  # float32[16], e2m1 doubled
+IQ3XXS_GRID = iquants.IQ3XXS_GRID.reshape(-1)  # uint8[256 * 4]: levels 4..62
+IQ3S_GRID = iquants.IQ3S_GRID.reshape(-1)  # uint8[512 * 4]: levels 1..15
+IQ2XXS_GRID = iquants.IQ2XXS_GRID.reshape(-1)  # uint8[256 * 8]: levels 8, 25, 43
+IQ2XS_GRID = iquants.IQ2XS_GRID.reshape(-1)  # uint8[512 * 8]
+IQ2S_GRID = iquants.IQ2S_GRID.reshape(-1)  # uint8[1024 * 8]
+IQ1_GRID = iquants.IQ1_GRID.reshape(-1)  # int8[2048 * 8]: levels -1, 0, 1
+IQ1_DELTA = iquants.IQ1_DELTA  # float32: the shift of IQ1_S/IQ1_M levels
 
 
 # ---- decoding bytes ----
@@ -262,6 +283,226 @@ def _chunk_q6_k(w, r, c, buf):
             buf[i] = dl * np.float32(q - 32)
 
 
+# ---- I-quants, MXFP4, ternary. IQ4_NL and MXFP4: a chunk is one block; the others have blocks
+# of 256 weights, and chunk c is sub-block c & 7 of block c >> 3 ----
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_iq4_nl(w, r, c, buf):
+    """18 B: d f16 | qs[16]; w = d * IQ4NL_LEVELS[q], low nibbles first."""
+    levels = IQ4NL_LEVELS
+    o = c * 18
+    d = _f16(w, r, o)
+    for i in range(16):
+        q = np.int32(w[r, o + 2 + i])
+        buf[i] = d * levels[q & 15]
+        buf[i + 16] = d * levels[q >> 4]
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_iq4_xs(w, r, c, buf):
+    """136 B: d f16 | scales_h u16 | scales_l[4] | qs[128]; w = (d * (ls - 32)) * level, the
+    6-bit ls of sub-block j: low 4 bits in nibble j % 2 of scales_l[j // 2], high 2 at bit 2j of
+    scales_h."""
+    levels = IQ4NL_LEVELS
+    o, j = (c >> 3) * 136, c & 7
+    d = _f16(w, r, o)
+    low = (np.int32(w[r, o + 4 + (j >> 1)]) >> (4 * (j & 1))) & 15
+    high = (np.int32(_u16(w, r, o + 2)) >> (2 * j)) & 3
+    dl = d * np.float32((low | (high << 4)) - 32)
+    q_at = o + 8 + 16 * j
+    for i in range(16):
+        q = np.int32(w[r, q_at + i])
+        buf[i] = dl * levels[q & 15]
+        buf[i + 16] = dl * levels[q >> 4]
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_mxfp4(w, r, c, buf):
+    """17 B: e u8 | qs[16]; w = 2^(e - 128) * MXFP4_LEVELS[q] (exact: a power of two times a
+    small integer), low nibbles first."""
+    levels = MXFP4_LEVELS
+    o = c * 17
+    d = np.float32(math.ldexp(np.float32(1.0), int(np.int32(w[r, o]) - 128)))
+    for i in range(16):
+        q = np.int32(w[r, o + 1 + i])
+        buf[i] = d * levels[q & 15]
+        buf[i + 16] = d * levels[q >> 4]
+
+
+@cuda.jit(device=True, cache=True)
+def _ksign(index):
+    """ggml's ksigns_iq2xs[index]: 7 stored sign bits, their parity as the 8th."""
+    parity = index ^ (index >> 4)
+    parity ^= parity >> 2
+    parity ^= parity >> 1
+    return index | ((parity & 1) << 7)
+
+
+@cuda.jit(device=True, cache=True)
+def _signed(value, signs, t):
+    """value * (-1 if bit t of signs else 1): a multiply, as gguf-py does it."""
+    return value * (np.float32(-1.0) if (signs >> t) & 1 else np.float32(1.0))
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_iq3_xxs(w, r, c, buf):
+    """98 B: d f16 | qs[64] grid indices | aux u32[8]: per 32 weights 4 x 7 sign bits (ksign)
+    and a 4-bit scale s (bits 28-31); w = d * (0.5 + s) * 0.5 * IQ3XXS_GRID level * sign."""
+    o, j = (c >> 3) * 98, c & 7
+    d = _f16(w, r, o)
+    aux = _u32(w, r, o + 66 + 4 * j)
+    db = d * (np.float32(0.5) + np.float32(aux >> 28)) * np.float32(0.5)
+    for g in range(8):  # 4 weights per grid entry
+        entry = np.int32(w[r, o + 2 + 8 * j + g]) * 4
+        signs = _ksign(np.int32((aux >> (7 * (g >> 1))) & 127))
+        for t in range(4):
+            k = 4 * g + t
+            buf[k] = _signed(db * np.float32(IQ3XXS_GRID[entry + t]), signs, k & 7)
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_iq3_s(w, r, c, buf):
+    """110 B: d f16 | qs[64] | qh[8] | signs[32] | scales[4]; a 9-bit grid index per 4 weights
+    (qs, bit 8 from qh), a sign bit per weight, a 4-bit scale s per 32:
+    w = d * (1 + 2 s) * IQ3S_GRID level * sign."""
+    o, j = (c >> 3) * 110, c & 7
+    d = _f16(w, r, o)
+    scale = (np.int32(w[r, o + 106 + (j >> 1)]) >> (4 * (j & 1))) & 15
+    db = d * np.float32(1 + 2 * scale)
+    qh = np.int32(w[r, o + 66 + j])
+    for g in range(8):
+        entry = (np.int32(w[r, o + 2 + 8 * j + g]) | (((qh >> g) & 1) << 8)) * 4
+        signs = np.int32(w[r, o + 74 + 4 * j + (g >> 1)])
+        for t in range(4):
+            k = 4 * g + t
+            buf[k] = _signed(db * np.float32(IQ3S_GRID[entry + t]), signs, k & 7)
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_iq2_xxs(w, r, c, buf):
+    """66 B: d f16 | per 32 weights: u32 of 4 grid indices, u32 aux of 4 x 7 sign bits (ksign)
+    and a 4-bit scale s (bits 28-31); w = d * (0.5 + s) * 0.25 * IQ2XXS_GRID level * sign."""
+    o, j = (c >> 3) * 66, c & 7
+    d = _f16(w, r, o)
+    aux = _u32(w, r, o + 6 + 8 * j)
+    db = d * (np.float32(0.5) + np.float32(aux >> 28)) * np.float32(0.25)
+    for g in range(4):  # 8 weights per grid entry
+        entry = np.int32(w[r, o + 2 + 8 * j + g]) * 8
+        signs = _ksign(np.int32((aux >> (7 * g)) & 127))
+        for t in range(8):
+            buf[8 * g + t] = _signed(db * np.float32(IQ2XXS_GRID[entry + t]), signs, t)
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_iq2_xs(w, r, c, buf):
+    """74 B: d f16 | qs u16[32]: a 9-bit grid index and 7 sign bits (ksign) per 8 weights |
+    scales[8]: a 4-bit s per 16; w = d * (0.5 + s) * 0.25 * IQ2XS_GRID level * sign."""
+    o, j = (c >> 3) * 74, c & 7
+    d = _f16(w, r, o)
+    for g in range(4):
+        q = np.int32(_u16(w, r, o + 2 + 2 * (4 * j + g)))
+        s = (np.int32(w[r, o + 66 + j]) >> (4 * (g >> 1))) & 15
+        db = d * (np.float32(0.5) + np.float32(s)) * np.float32(0.25)
+        entry = (q & 511) * 8
+        signs = _ksign(q >> 9)
+        for t in range(8):
+            buf[8 * g + t] = _signed(db * np.float32(IQ2XS_GRID[entry + t]), signs, t)
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_iq2_s(w, r, c, buf):
+    """82 B: d f16 | qs[32] | signs[32] | qh[8] | scales[8]; a 10-bit grid index per 8 weights
+    (qs, 2 bits of qh), a sign bit per weight, a 4-bit s per 16;
+    w = d * (0.5 + s) * 0.25 * IQ2S_GRID level * sign."""
+    o, j = (c >> 3) * 82, c & 7
+    d = _f16(w, r, o)
+    for g in range(4):
+        high = (np.int32(w[r, o + 66 + j]) >> (2 * g)) & 3
+        entry = (np.int32(w[r, o + 2 + 4 * j + g]) | (high << 8)) * 8
+        s = (np.int32(w[r, o + 74 + j]) >> (4 * (g >> 1))) & 15
+        db = d * (np.float32(0.5) + np.float32(s)) * np.float32(0.25)
+        signs = np.int32(w[r, o + 34 + 4 * j + g])
+        for t in range(8):
+            buf[8 * g + t] = _signed(db * np.float32(IQ2S_GRID[entry + t]), signs, t)
+
+
+@cuda.jit(device=True, cache=True)
+def _iq1_weights(entry, dl, delta, buf, at):
+    """buf[at:at + 8] = dl * (level + delta) for the 8 levels of IQ1_GRID entry `entry`, gguf-py's
+    order. IQ1_S and IQ1_M both call this: the 16 KiB grid is named here only."""
+    for t in range(8):
+        buf[at + t] = dl * (np.float32(IQ1_GRID[8 * entry + t]) + delta)
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_iq1_s(w, r, c, buf):
+    """50 B: d f16 | qs[32] | qh u16[8]: per 32 weights 4 x 3 high index bits, a 3-bit scale s
+    (bits 12-14), the delta's sign (bit 15); w = d * (2 s + 1) * (level +- IQ1_DELTA)."""
+    o, j = (c >> 3) * 50, c & 7
+    d = _f16(w, r, o)
+    qh = np.int32(_u16(w, r, o + 34 + 2 * j))
+    dl = d * np.float32(2 * ((qh >> 12) & 7) + 1)
+    delta = -IQ1_DELTA if qh & 0x8000 else IQ1_DELTA
+    for g in range(4):
+        entry = np.int32(w[r, o + 2 + 4 * j + g]) | (((qh >> (3 * g)) & 7) << 8)
+        _iq1_weights(entry, dl, delta, buf, 8 * g)
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_iq1_m(w, r, c, buf):
+    """56 B: qs[32] | qh[16]: per 8 weights a nibble (3 high index bits, the delta's sign) |
+    scales u16[4]: a 3-bit s per 16 weights, the f16 d in the top 4 bits of each;
+    w = d * (2 s + 1) * (level +- IQ1_DELTA)."""
+    o, j = (c >> 3) * 56, c & 7
+    bits = (_u16(w, r, o + 48) >> 12) | ((_u16(w, r, o + 50) >> 8) & 0xF0)
+    bits |= ((_u16(w, r, o + 52) >> 4) & 0xF00) | (_u16(w, r, o + 54) & 0xF000)
+    d = _float_from_bits(bits, 5, 10)
+    sc = np.int32(_u16(w, r, o + 48 + 2 * (j >> 1)))  # the scales of sub-blocks j and j ^ 1
+    for g in range(4):
+        scale = (sc >> (3 * (2 * (j & 1) + (g >> 1)))) & 7
+        dl = d * np.float32(2 * scale + 1)
+        i = 4 * j + g
+        nibble = (np.int32(w[r, o + 32 + (i >> 1)]) >> (4 * (i & 1))) & 15
+        entry = np.int32(w[r, o + i]) | ((nibble & 7) << 8)
+        delta = -IQ1_DELTA if nibble & 8 else IQ1_DELTA
+        _iq1_weights(entry, dl, delta, buf, 8 * g)
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_tq1_0(w, r, c, buf):
+    """54 B: qs[48] | qh[4] 5 and 4 trits per byte | d f16; w = d * (trit - 1), trit k of byte v
+    being ((v * 3^k mod 256) * 3) >> 8. Weight n < 160: trit n // 32 of qs[n % 32]; n < 240:
+    trit (n - 160) // 16 of qs[32 + n % 16]; else trit (n - 240) // 4 of qh[n % 4]."""
+    o, p = (c >> 3) * 54, c & 7
+    d = _f16(w, r, o + 52)
+    for i in range(32):
+        n = 32 * p + i
+        if n < 160:
+            k, at = n >> 5, o + (n & 31)
+        elif n < 240:
+            k, at = (n - 160) >> 4, o + 32 + (n & 15)
+        else:
+            k, at = (n - 240) >> 2, o + 48 + (n & 3)
+        power = 1
+        for _ in range(k):
+            power *= 3
+        trit = (((np.int32(w[r, at]) * power) & 255) * 3) >> 8
+        buf[i] = d * np.float32(trit - 1)
+
+
+@cuda.jit(device=True, cache=True)
+def _chunk_tq2_0(w, r, c, buf):
+    """66 B: qs[64] 2-bit | d f16; w = d * (q - 1), weight 128 h + 32 k + i in bits 2k of
+    qs[32 h + i] (as Q2_K's low bits)."""
+    o, p = (c >> 3) * 66, c & 7
+    d = _f16(w, r, o + 64)
+    q_at = o + 32 * (p >> 2)
+    shift = 2 * (p & 3)
+    for i in range(32):
+        buf[i] = d * np.float32(((np.int32(w[r, q_at + i]) >> shift) & 3) - 1)
+
+
 @cuda.jit(device=True, cache=True)
 def dequantize_chunk(w, r, c, n_cols, qtype, buf):
     """buf[0:32] = dequantized weights 32 c .. 32 c + 31 of row r of the raw weight w."""
@@ -285,6 +526,30 @@ def dequantize_chunk(w, r, c, n_cols, qtype, buf):
         _chunk_q5_k(w, r, c, buf)
     elif qtype == Q6_K:
         _chunk_q6_k(w, r, c, buf)
+    elif qtype == IQ4_NL:
+        _chunk_iq4_nl(w, r, c, buf)
+    elif qtype == IQ4_XS:
+        _chunk_iq4_xs(w, r, c, buf)
+    elif qtype == MXFP4:
+        _chunk_mxfp4(w, r, c, buf)
+    elif qtype == IQ3_XXS:
+        _chunk_iq3_xxs(w, r, c, buf)
+    elif qtype == IQ3_S:
+        _chunk_iq3_s(w, r, c, buf)
+    elif qtype == IQ2_XXS:
+        _chunk_iq2_xxs(w, r, c, buf)
+    elif qtype == IQ2_XS:
+        _chunk_iq2_xs(w, r, c, buf)
+    elif qtype == IQ2_S:
+        _chunk_iq2_s(w, r, c, buf)
+    elif qtype == IQ1_S:
+        _chunk_iq1_s(w, r, c, buf)
+    elif qtype == IQ1_M:
+        _chunk_iq1_m(w, r, c, buf)
+    elif qtype == TQ1_0:
+        _chunk_tq1_0(w, r, c, buf)
+    elif qtype == TQ2_0:
+        _chunk_tq2_0(w, r, c, buf)
     else:
         _chunk_float(w, r, c, n_cols, qtype, buf)
 
