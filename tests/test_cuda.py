@@ -476,6 +476,20 @@ def test_cuda_runs_each_encoder_as_the_cpu_does(name):
     np.testing.assert_allclose(cuda, cpu, rtol=1e-4, atol=1e-4)
 
 
+def test_numpy_without_row_stack_gets_the_alias_numba_cuda_needs():
+    """NumPy 2.5 has no row_stack; numba-cuda 0.30.4 looks it up at its first kernel compile."""
+    from types import SimpleNamespace
+
+    from localllm.cuda.kernels import numpy_compat
+
+    numpy_2_5 = SimpleNamespace(vstack=np.vstack)
+    numpy_compat(numpy_2_5)
+    assert numpy_2_5.row_stack is np.vstack
+    older = SimpleNamespace(vstack=np.vstack, row_stack=np.concatenate)
+    numpy_compat(older)
+    assert older.row_stack is np.concatenate  # left alone where it exists
+
+
 # ---- device selection ----
 
 

@@ -31,6 +31,18 @@ from numba import cuda, types
 
 from localllm.quants import QUANT_TYPES, iquants, mxfp4
 
+
+def numpy_compat(module=np) -> None:
+    """numba-cuda (0.30.4, the pinned version) registers a kernel overload of np.row_stack
+    when it compiles its first kernel, and NumPy 2.5 removed row_stack (an alias of vstack):
+    every kernel then fails with an AttributeError (seen on a GPU machine with NumPy 2.5.2).
+    Put the alias back where it is missing, before any kernel here compiles."""
+    if not hasattr(module, "row_stack"):
+        module.row_stack = module.vstack
+
+
+numpy_compat()
+
 # GGML type ids (gguf.constants.GGMLQuantizationType)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 10, 11, 12, 13, 14, 30
