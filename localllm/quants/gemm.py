@@ -35,6 +35,7 @@ from numba.extending import intrinsic
 from .blocks import (
     F32,
     I8,
+    I16,
     I32,
     I64,
     SIGNED,
@@ -66,8 +67,9 @@ MAX_THREADS = config.NUMBA_NUM_THREADS
 
 
 def _scratch_sections(n_cols):
-    """(name, bytes per row) of the scratch, in order: s int8 per column, sc and mn int32 per 16
-    columns, then per 32-column unit (at most one block each) corr int32, d, dmin, fmin f32."""
+    """(name, bytes per row) of the scratch, in order: s int8 per column, sc int32 and mn int16
+    (room for int32) per 16 columns, then per 32-column unit (at most one block each) corr
+    int32, d, dmin, fmin f32."""
     per16, per32 = n_cols // 16 * 4, n_cols // 32 * 4
     return (("s", n_cols), ("sc", per16), ("mn", per16), ("corr", per32), ("d", per32),
             ("dmin", per32), ("fmin", per32))  # fmt: skip
@@ -82,7 +84,7 @@ def scratch_bytes(n_cols):
 class _Scratch:
     """Typed pointers into one row group's scratch (i8* base) for a row count of n_cols (i64)."""
 
-    TYPES = {"s": I8, "sc": I32, "mn": I32, "corr": I32, "d": F32, "dmin": F32, "fmin": F32}
+    TYPES = {"s": I8, "sc": I32, "mn": I16, "corr": I32, "d": F32, "dmin": F32, "fmin": F32}
 
     def __init__(self, builder, base, n_cols):
         self.b, self.base = builder, base
@@ -167,7 +169,8 @@ class _Unpacker(BlockReader):
         if item.mins is not None:
             n = item.mins.type.count
             at = s.at("mn", self.row, b.mul(block, ir.Constant(I64, n)))
-            b.store(item.mins, b.bitcast(at, item.mins.type.as_pointer()), align=4)
+            mins = b.trunc(item.mins, ir.VectorType(I16, n))  # 4-6 bits: pairs for vpdpwssd
+            b.store(mins, b.bitcast(at, mins.type.as_pointer()), align=2)
             b.store(item.dmin, s.at("dmin", self.row, block))
         if item.fmin is not None:
             b.store(item.fmin, s.at("fmin", self.row, block))
@@ -231,19 +234,23 @@ def _unpack(typingctx, ggml_type, w, r0, scratch):
 @njit(cache=True)
 def tile_bytes(n_cols):
     """Bytes of one packed tile of LANES tokens: activations + 128 [n_cols // 4][LANES][4], then
-    per 32 columns dx and xs (f32), per 16 columns the quants' sums (i32), each [..][LANES]."""
-    return LANES * (n_cols + n_cols // 32 * 8 + n_cols // 16 * 4)
+    per 32 columns dx and xs (f32), the quants' sums of 16 columns in int16 pairs (one pair per
+    32 columns), and of 32 columns (a pair per 64), each [..][LANES] (see _pack_tile)."""
+    n32, n64 = n_cols // 32, (n_cols + 63) // 64
+    return LANES * (n_cols + n32 * 12 + n64 * 4)
 
 
 @njit(cache=True)
 def _pack_tile(xq, xd, xs, xb, t0, tile):
-    """Tokens t0 .. t0 + LANES - 1 (zeros past the last) into one packed tile (tile_bytes)."""
+    """Tokens t0 .. t0 + LANES - 1 (zeros past the last) into one packed tile (tile_bytes). The
+    sums go in pairs of int16 (|sum| <= 32 * 127) per int32, for vpdpwssd with the minimums."""
     n_tokens, n_cols = xq.shape
     lanes = LANES
-    n32, n16 = n_cols // 32, n_cols // 16
+    n32, n64 = n_cols // 32, (n_cols + 63) // 64
     quants = tile[: n_cols * lanes].view(np.uint32)  # 4 quants + 128 per lane and column group
     floats = tile[n_cols * lanes : n_cols * lanes + 8 * n32 * lanes].view(np.float32)
-    sums = tile[n_cols * lanes + 8 * n32 * lanes :].view(np.int32)
+    pairs = tile[n_cols * lanes + 8 * n32 * lanes :].view(np.uint32)  # 16-col, then 32-col sums
+    mask = np.uint32(0xFFFF)
     for lane in range(lanes):
         t = t0 + lane
         if t < n_tokens:
@@ -253,16 +260,23 @@ def _pack_tile(xq, xd, xs, xb, t0, tile):
             for c in range(n32):
                 floats[c * lanes + lane] = xd[t, c]
                 floats[(n32 + c) * lanes + lane] = xs[t, c]
-            for c in range(n16):
-                sums[c * lanes + lane] = xb[t, c]
+                low, high = np.uint32(xb[t, 2 * c]), np.uint32(xb[t, 2 * c + 1])
+                pairs[c * lanes + lane] = (low & mask) | (high << np.uint32(16))
+            for k in range(n64):
+                low = np.uint32(xb[t, 4 * k] + xb[t, 4 * k + 1])
+                high = np.uint32(0)
+                if 4 * k + 3 < xb.shape[1]:
+                    high = np.uint32(xb[t, 4 * k + 2] + xb[t, 4 * k + 3])
+                pairs[(n32 + k) * lanes + lane] = (low & mask) | (high << np.uint32(16))
         else:  # x = 0: adds nothing, whatever the weights
             for g in range(n_cols // 4):
                 quants[g * lanes + lane] = np.uint32(0x80808080)
             for c in range(n32):
                 floats[c * lanes + lane] = 0.0
                 floats[(n32 + c) * lanes + lane] = 0.0
-            for c in range(n16):
-                sums[c * lanes + lane] = 0
+                pairs[c * lanes + lane] = 0
+            for k in range(n64):
+                pairs[(n32 + k) * lanes + lane] = 0
 
 
 def _tile_codegen(qt, n_vectors):
@@ -275,6 +289,7 @@ def _tile_codegen(qt, n_vectors):
     lanes = LANES
     vi32, vf32 = ir.VectorType(I32, lanes), ir.VectorType(F32, lanes)
     dot_name = f"llvm.x86.avx512.vpdpbusd.{32 * lanes}"
+    pairs_name = f"llvm.x86.avx512.vpdpwssd.{32 * lanes}"
 
     def codegen(context, builder, signature, args):
         b = builder
@@ -296,8 +311,10 @@ def _tile_codegen(qt, n_vectors):
             start = {"q": ir.Constant(I64, 0), "dx": b.mul(n_cols, ir.Constant(I64, lanes)),
                      "xs": b.add(b.mul(n_cols, ir.Constant(I64, lanes)),
                                  b.mul(n32, ir.Constant(I64, 4 * lanes))),
-                     "bs": b.add(b.mul(n_cols, ir.Constant(I64, lanes)),
-                                 b.mul(n32, ir.Constant(I64, 8 * lanes)))}[section]  # fmt: skip
+                     "p16": b.add(b.mul(n_cols, ir.Constant(I64, lanes)),
+                                  b.mul(n32, ir.Constant(I64, 8 * lanes))),
+                     "p32": b.add(b.mul(n_cols, ir.Constant(I64, lanes)),
+                                  b.mul(n32, ir.Constant(I64, 12 * lanes)))}[section]  # fmt: skip
             at = b.add(start, b.mul(index, ir.Constant(I64, 4 * lanes)))
             return b.load(b.bitcast(b.gep(tile_ptrs[v], [at]), ty.as_pointer()), align=4)
 
@@ -348,18 +365,19 @@ def _tile_codegen(qt, n_vectors):
                     )  # fmt: skip
 
                     def mins_sum(_, r=r, v=v):
-                        n_mins = block_cols // layout.min_cols
+                        # pairs of minimums (int16) times pairs of activation sums: vpdpwssd
+                        n_pairs = block_cols // layout.min_cols // 2
+                        section = "p32" if layout.min_cols == 32 else "p16"
                         m_total = ir.Constant(vi32, None)
-                        for m in range(n_mins):
-                            index = b.add(b.mul(blk, ir.Constant(I64, n_mins)), ir.Constant(I64, m))
-                            m_value = broadcast(b.load(scratch.at("mn", r, index)), vi32)
-                            per16 = layout.min_cols // 16
-                            first16 = b.mul(index, ir.Constant(I64, per16))
-                            sums = tile_vector(v, "bs", first16, vi32)
-                            if per16 == 2:
-                                second = b.add(first16, ir.Constant(I64, 1))
-                                sums = b.add(sums, tile_vector(v, "bs", second, vi32))
-                            m_total = b.add(m_total, b.mul(m_value, sums))
+                        for k in range(n_pairs):
+                            index = b.add(
+                                b.mul(blk, ir.Constant(I64, n_pairs)), ir.Constant(I64, k)
+                            )
+                            at = scratch.at("mn", r, b.mul(index, ir.Constant(I64, 2)))
+                            pair = b.load(b.bitcast(at, I32.as_pointer()), align=2)
+                            sums = tile_vector(v, section, index, vi32)
+                            m_total = e.intrinsic(pairs_name, vi32, m_total, sums,
+                                                  broadcast(pair, vi32))  # fmt: skip
                         return m_total
 
                     value = float_steps(e, b.load(acc[r][v]), total[r][v], end, dx[v], mins_sum,
