@@ -102,7 +102,7 @@ class _Scratch:
         self.n_cols = n_cols
 
     def at(self, name, row, index):
-        """Pointer to element `index` (i64) of row `row` (int) of section `name`."""
+        """Pointer to element `index` (i64) of row `row` (int or i64) of section `name`."""
         b = self.b
         per_row = {
             "s": self.n_cols,
@@ -111,7 +111,9 @@ class _Scratch:
         }.get(  # fmt: skip
             name, b.udiv(self.n_cols, ir.Constant(I64, 8))
         )
-        start = b.add(self.offsets[name], b.mul(per_row, ir.Constant(I64, row)))
+        if isinstance(row, int):
+            row = ir.Constant(I64, row)
+        start = b.add(self.offsets[name], b.mul(per_row, row))
         section = b.bitcast(b.gep(self.base, [start]), self.TYPES[name].as_pointer())
         return b.gep(section, [index])
 
@@ -213,11 +215,11 @@ def _unpack(typingctx, ggml_type, w, r0, scratch):
         n_cols = b.mul(n_blocks, ir.Constant(I64, qt.block_size))
         scratch = _Scratch(b, base, n_cols)
         last = b.sub(n_rows, ir.Constant(I64, 1))
-        for r in range(ROWS):
-            row = b.add(r0, ir.Constant(I64, r))
+        with cgutils.for_range(b, ir.Constant(I64, ROWS)) as rows:  # one copy of the reader
+            row = b.add(r0, rows.index)
             row = b.select(b.icmp_signed("<", row, n_rows), row, last)
             row_ptr = b.gep(w.data, [b.mul(row, row_bytes)])
-            e = _Unpacker(b, scratch, r, read_block.layout, chunks_per_block)
+            e = _Unpacker(b, scratch, rows.index, read_block.layout, chunks_per_block)
             with cgutils.for_range(b, n_blocks) as loop:
                 block_ptr = b.gep(row_ptr, [b.mul(loop.index, ir.Constant(I64, qt.type_size))])
                 first = b.mul(loop.index, ir.Constant(I64, chunks_per_block))
@@ -284,8 +286,6 @@ def _tile_codegen(qt, n_vectors):
     read_block = qt.dot_unpacker
     layout = read_block.layout
     block_cols = qt.block_size
-    sub_cols = layout.sub_cols or block_cols  # columns per integer sum S or scaled part of it
-    n_subs = block_cols // sub_cols
     lanes = LANES
     vi32, vf32 = ir.VectorType(I32, lanes), ir.VectorType(F32, lanes)
     dot_name = f"llvm.x86.avx512.vpdpbusd.{32 * lanes}"
@@ -329,16 +329,24 @@ def _tile_codegen(qt, n_vectors):
         acc = [[cgutils.alloca_once_value(b, ir.Constant(vf32, None)) for _ in range(n_vectors)]
                for _ in range(ROWS)]  # fmt: skip
         n_blocks = b.udiv(n_cols, ir.Constant(I64, block_cols))
+        # a part: the columns one integer scale covers (16 or 32), or 32 of an unscaled block;
+        # a runtime loop over a block's parts keeps the unrolled code (and its compile) small
+        part_cols = layout.sub_cols or 32
+        n_parts = block_cols // part_cols
         with cgutils.for_range(b, n_blocks) as loop:
             blk = loop.index
-            corr = [broadcast(b.load(scratch.at("corr", r, blk)), vi32) for r in range(ROWS)]
-            total = [[corr[r]] * n_vectors for r in range(ROWS)]
-            for sub in range(n_subs):
+            total = [[cgutils.alloca_once(b, vi32) for _ in range(n_vectors)] for _ in range(ROWS)]
+            for r in range(ROWS):
+                corr = broadcast(b.load(scratch.at("corr", r, blk)), vi32)
+                for v in range(n_vectors):
+                    b.store(corr, total[r][v])
+            with cgutils.for_range(b, ir.Constant(I64, n_parts)) as parts:
+                part = b.add(b.mul(blk, ir.Constant(I64, n_parts)), parts.index)
+                first_group = b.mul(part, ir.Constant(I64, part_cols // 4))
                 zero = ir.Constant(vi32, None)
-                isum = [[zero] * n_vectors for _ in range(ROWS)] if layout.sub_cols else total
-                for g in range(sub_cols // 4):
-                    group = b.add(b.mul(blk, ir.Constant(I64, block_cols // 4)),
-                                  ir.Constant(I64, sub * sub_cols // 4 + g))  # fmt: skip
+                isum = [[zero] * n_vectors for _ in range(ROWS)]
+                for g in range(part_cols // 4):
+                    group = b.add(first_group, ir.Constant(I64, g))
                     a = [tile_vector(v, "q", group, vi32) for v in range(n_vectors)]
                     for r in range(ROWS):
                         at = scratch.at("s", r, b.mul(group, ir.Constant(I64, 4)))
@@ -346,12 +354,14 @@ def _tile_codegen(qt, n_vectors):
                         w = broadcast(w4, vi32)
                         for v in range(n_vectors):
                             isum[r][v] = dot(isum[r][v], a[v], w)
-                if layout.sub_cols:
-                    index = b.add(b.mul(blk, ir.Constant(I64, n_subs)), ir.Constant(I64, sub))
-                    for r in range(ROWS):
-                        scale = broadcast(b.load(scratch.at("sc", r, index)), vi32)
-                        for v in range(n_vectors):
-                            total[r][v] = b.add(total[r][v], b.mul(isum[r][v], scale))
+                for r in range(ROWS):
+                    scale = None
+                    if layout.sub_cols:
+                        scale = broadcast(b.load(scratch.at("sc", r, part)), vi32)
+                    for v in range(n_vectors):
+                        scaled = isum[r][v] if scale is None else b.mul(isum[r][v], scale)
+                        b.store(b.add(b.load(total[r][v]), scaled), total[r][v])
+            total = [[b.load(total[r][v]) for v in range(n_vectors)] for r in range(ROWS)]
             unit = b.mul(blk, ir.Constant(I64, block_cols // 32))  # the sections are per 32
             dx = [tile_vector(v, "dx", unit, vf32) for v in range(n_vectors)]
             xs = [tile_vector(v, "xs", unit, vf32) for v in range(n_vectors)]
@@ -433,7 +443,9 @@ def gemm_kernel(ggml_type: int, name: str):
         matvec: the same arguments; xl is not used here)."""
         depends_on(source_key)
         n_tokens, n_cols = xq.shape
-        n_tiles = (n_tokens + LANES - 1) // LANES
+        # whole tile calls of TILE_VECTORS tiles: the last one padded with tokens of zeros (one
+        # tile width compiled per type)
+        n_tiles = (n_tokens + LANES * TILE_VECTORS - 1) // (LANES * TILE_VECTORS) * TILE_VECTORS
         size = tile_bytes(n_cols)
         per_block = max(MIN_TILES, TILE_BLOCK_BYTES // size // TILE_VECTORS * TILE_VECTORS)
         tiles = np.empty((min(per_block, n_tiles), size), np.uint8)
@@ -446,7 +458,6 @@ def gemm_kernel(ggml_type: int, name: str):
             n_block = min(per_block, n_tiles - kb)
             for k in prange(n_block):
                 _pack_tile(xq, xd, xs, xb, (kb + k) * LANES, tiles[k])
-            paired = n_block // TILE_VECTORS * TILE_VECTORS
             for g in prange(bounds[len(ws)]):
                 i = 0
                 while g >= bounds[i + 1]:
@@ -456,13 +467,10 @@ def gemm_kernel(ggml_type: int, name: str):
                 own = scratch[get_thread_id()]
                 _unpack(ggml_type, w, r0, own)
                 n_rows = w.shape[0] - r0
-                for k in range(0, paired, TILE_VECTORS):
+                for k in range(0, n_block, TILE_VECTORS):
                     t0 = (kb + k) * LANES
                     _tile(ggml_type, TILE_VECTORS, own, tiles, k, n_cols, out, t0, n_tokens, r0,
                           n_rows)  # fmt: skip
-                for k in range(paired, n_block):
-                    t0 = (kb + k) * LANES
-                    _tile(ggml_type, 1, own, tiles, k, n_cols, out, t0, n_tokens, r0, n_rows)
 
     gemm.__qualname__ = f"gemm_{name}"
     return njit(parallel=True, cache=True)(gemm)

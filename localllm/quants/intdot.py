@@ -238,6 +238,7 @@ def _rows_typer(type_size, chunks_per_block, read_block, n_rows, n_tokens):
 
         out[t0 + k, r0 + i] = w[r0 + i] . x[t0 + k]   for i < n_rows, k < n_tokens
 
+    (rows r0 + i past w's last are left out: one variant serves a matrix's last rows too).
     w: uint8[rows, row_bytes] (GGUF blocks); xq: int8[tokens, n_cols]; xd, xs: float32[tokens,
     n_cols // 32]; xl: int32[tokens, n_cols // 4]; xb: int32[tokens, n_cols // 16]; out:
     float32[tokens, rows]; all C-contiguous. The rows advance block by block together, sharing
@@ -260,13 +261,15 @@ def _rows_typer(type_size, chunks_per_block, read_block, n_rows, n_tokens):
             }
             r0 = context.cast(builder, args[1], signature.args[1], types.int64)
             t0 = context.cast(builder, args[2], signature.args[2], types.int64)
-            row_bytes = builder.extract_value(arrays[0].shape, 1)
-            rows = [
-                builder.gep(
-                    arrays[0].data, [builder.mul(builder.add(r0, ir.Constant(I64, i)), row_bytes)]
-                )
-                for i in range(n_rows)
-            ]
+            total_rows, row_bytes = (builder.extract_value(arrays[0].shape, k) for k in (0, 1))
+            last = builder.sub(total_rows, ir.Constant(I64, 1))
+
+            def row_index(i):  # rows past the last read the last one again (never stored)
+                row = builder.add(r0, ir.Constant(I64, i))
+                return builder.select(builder.icmp_signed("<", row, total_rows), row, last)
+
+            rows = [builder.gep(arrays[0].data, [builder.mul(row_index(i), row_bytes)])
+                    for i in range(n_rows)]  # fmt: skip
 
             def token_row(k, tok):  # pointer to row t0 + tok of array k
                 width = builder.extract_value(arrays[k].shape, 1)
@@ -322,8 +325,9 @@ def _rows_typer(type_size, chunks_per_block, read_block, n_rows, n_tokens):
             for tok, em in enumerate(emitters):
                 out_row = token_row(8, tok)
                 for i in range(n_rows):
-                    target = builder.gep(out_row, [builder.add(r0, ir.Constant(I64, i))])
-                    builder.store(em.result(i), target)
+                    row = builder.add(r0, ir.Constant(I64, i))
+                    with builder.if_then(builder.icmp_signed("<", row, total_rows), likely=True):
+                        builder.store(em.result(i), builder.gep(out_row, [row]))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -448,27 +452,13 @@ def matvec_kernel(ggml_type: int, name: str):
                 while g >= bounds[i + 1]:
                     i += 1
                 w, out = ws[i], outs[i]
-                n_rows = w.shape[0]
                 r0 = (g - bounds[i]) * ROWS
-                full = r0 + ROWS <= n_rows
                 for t0 in range(b0, tiled4, WIDE_TILE):
-                    if full:
-                        _rows(ggml_type, ROWS, WIDE_TILE, w, r0, t0, xq, xd, xs, xl, xb, out)
-                    else:
-                        for r in range(r0, n_rows):
-                            _rows(ggml_type, 1, WIDE_TILE, w, r, t0, xq, xd, xs, xl, xb, out)
+                    _rows(ggml_type, ROWS, WIDE_TILE, w, r0, t0, xq, xd, xs, xl, xb, out)
                 for t0 in range(tiled4, tiled, TILE_TOKENS):
-                    if full:
-                        _rows(ggml_type, ROWS, TILE_TOKENS, w, r0, t0, xq, xd, xs, xl, xb, out)
-                    else:
-                        for r in range(r0, n_rows):
-                            _rows(ggml_type, 1, TILE_TOKENS, w, r, t0, xq, xd, xs, xl, xb, out)
+                    _rows(ggml_type, ROWS, TILE_TOKENS, w, r0, t0, xq, xd, xs, xl, xb, out)
                 for t in range(tiled, b1):
-                    if full:
-                        _rows(ggml_type, ROWS, 1, w, r0, t, xq, xd, xs, xl, xb, out)
-                    else:
-                        for r in range(r0, n_rows):
-                            _rows(ggml_type, 1, 1, w, r, t, xq, xd, xs, xl, xb, out)
+                    _rows(ggml_type, ROWS, 1, w, r0, t, xq, xd, xs, xl, xb, out)
 
     matvec.__qualname__ = f"matvec_{name}"
     return njit(parallel=True, cache=True)(matvec)
