@@ -20,6 +20,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from localllm.quants.cpu import HARDWARE_HALF
 from localllm.quants.float import _bits_to_f32, f16_to_f32
 
 # vec_dot_type names (each weight type's record names its own, see quants/__init__.py)
@@ -37,6 +38,19 @@ def _f32_bits(typingctx, v):
             return builder.bitcast(args[0], ir.IntType(32))
 
         return types.uint32(v), codegen
+    return None
+
+
+@intrinsic
+def _round_half(typingctx, v):
+    """float32 -> IEEE half (round to nearest even, inf past 65504) -> float32: vcvtps2ph and
+    vcvtph2ps (F16C) or ARMv8's fcvt."""
+    if v == types.float32:
+
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+
+        return types.float32(v), codegen
     return None
 
 
@@ -59,6 +73,8 @@ def f16_bits(v):
 def round_f16(v):
     """float32 v rounded to the nearest IEEE half (ties to even), returned as float32."""
     v = np.float32(v)
+    if HARDWARE_HALF:  # a constant: the other branch is not compiled in
+        return _round_half(v)
     a = abs(v)
     if a >= np.float32(65520.0):  # rounds to inf in f16
         return np.float32(np.inf) if v > 0 else np.float32(-np.inf)
@@ -81,17 +97,22 @@ def q8_scale(block):
     rint(x * inv)) stands for d * quant. block: float32[32] -> Q8_0/Q8_1, scaled by 127/amax, d
     stored as f16 (d_raw: before that rounding); float32[256] -> Q8_K, scaled by -127/max (the
     value of largest magnitude), d = 1/iscale kept as float32. An all-zero block gives zeros."""
-    amax = np.float32(0.0)
-    vmax = np.float32(0.0)
+    # the largest |x| by its bits (sign cleared: for floats other than NaN, integer order is
+    # magnitude order), a reduction LLVM vectorizes where a float max needs fast-math
+    bits = np.uint32(0)
     for j in range(block.shape[0]):
-        if abs(block[j]) > amax:
-            amax = abs(block[j])
-            vmax = block[j]
+        bits = max(bits, _f32_bits(block[j]) & np.uint32(0x7FFFFFFF))
+    amax = _bits_to_f32(np.uint32(bits))
     if amax == 0:
         return np.float32(0.0), np.float32(0.0), np.float32(0.0)
     if block.shape[0] == 32:
         d_raw = amax / np.float32(127.0)
         return round_f16(d_raw), np.float32(127.0) / amax, d_raw
+    vmax = amax
+    for j in range(block.shape[0]):  # the first of largest magnitude, as ggml's strict > keeps
+        if abs(block[j]) == amax:
+            vmax = block[j]
+            break
     inv = np.float32(-127.0) / vmax
     d = np.float32(1.0) / inv
     return d, inv, d

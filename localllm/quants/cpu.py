@@ -3,9 +3,12 @@ this CPU also has (cpuid), never more.
 
     INSTRUCTION_SET   "vnni" | "avx2" | None   (intdot.py's dot products; None: float kernels)
     TILE_LANES        16 | 8 | 0              (gemm.py's token lanes: zmm, ymm, or no tiles)
+    HARDWARE_HALF     bool                    (float <-> IEEE half in one instruction)
 """
 
 from __future__ import annotations
+
+import platform
 
 import llvmlite.binding as llvm
 from numba.core import config as numba_config
@@ -56,3 +59,7 @@ def tile_lanes(features: set[str]) -> int:
 _USABLE = _target_features() & host_features()
 INSTRUCTION_SET = _instruction_set(_USABLE)
 TILE_LANES = tile_lanes(_USABLE)
+
+# Half <-> float in one instruction where the CPU has one (x86 F16C: every AVX2 CPU; ARMv8);
+# elsewhere LLVM would call a runtime helper Numba cannot link, so bit-exact integer code.
+HARDWARE_HALF = "f16c" in _USABLE or platform.machine().lower() in ("aarch64", "arm64")

@@ -371,26 +371,25 @@ def quantize_q8(x, super_block, xq, xd, xs, xl, xb):
     n_cols // 16]. The same rounding as activations.round_activations."""
     n_tokens, n_cols = x.shape
     for t in range(n_tokens):
+        row, quants = x[t], xq[t]
         for s in range(n_cols // super_block):
             lo, hi = s * super_block, (s + 1) * super_block
-            d, inv, d_raw = q8_scale(x[t, lo:hi])
+            d, inv, d_raw = q8_scale(row[lo:hi])
             for j in range(lo, hi):
-                xq[t, j] = np.int8(min(np.float32(127.0), np.rint(x[t, j] * inv)))
-            for c in range(lo // 32, hi // 32):
-                total = 0
-                for j in range(c * 32, c * 32 + 32):
-                    total += np.int32(xq[t, j])
-                xd[t, c] = d
-                xs[t, c] = round_f16(d_raw * np.float32(total)) if super_block == 32 else d * total
+                quants[j] = np.int8(min(np.float32(127.0), np.rint(row[j] * inv)))
             for i in range(lo // 4, hi // 4):
                 xl[t, i] = (
-                    np.int32(xq[t, 4 * i])
-                    + np.int32(xq[t, 4 * i + 1])
-                    + np.int32(xq[t, 4 * i + 2])
-                    + np.int32(xq[t, 4 * i + 3])
+                    np.int32(quants[4 * i])
+                    + np.int32(quants[4 * i + 1])
+                    + np.int32(quants[4 * i + 2])
+                    + np.int32(quants[4 * i + 3])
                 )
             for i in range(lo // 16, hi // 16):
                 xb[t, i] = xl[t, 4 * i] + xl[t, 4 * i + 1] + xl[t, 4 * i + 2] + xl[t, 4 * i + 3]
+            for c in range(lo // 32, hi // 32):
+                total = xb[t, 2 * c] + xb[t, 2 * c + 1]
+                xd[t, c] = d
+                xs[t, c] = round_f16(d_raw * np.float32(total)) if super_block == 32 else d * total
 
 
 @njit(parallel=True, cache=True)
