@@ -204,7 +204,8 @@ class CPUBackend:
         self.thread_tuner = ThreadTuner(self.n_threads, numba.set_num_threads, tune=tune)
         self._rounded: dict[tuple, np.ndarray] = {}  # rounded activations by (kind, shape)
         self._quantized: dict[tuple, tuple] = {}  # int8 activations by (super block, n_cols)
-        self._attention: tuple | None = None  # attention scratch (scores, row), see attention
+        # attention scratch: ((group, head_dim), ops.attention_scratch(...))
+        self._attention: tuple | None = None
         # on an x86 CPU with AVX2 or VNNI: ggml's integer dot products (quants/intdot.py), for a
         # token decoded alone and for the tiles of a prefill alike
         self.integer_kernels = llama_cpp_rounding and intdot.AVAILABLE
@@ -363,23 +364,15 @@ class CPUBackend:
     def attention(
         self, q, k_cache, v_cache, start_pos, window, scale, softcap, out, sinks=None, causal=True
     ) -> np.ndarray:
-        """With an f16 KV cache (llama_cpp_rounding), q (overwritten) and the softmax
-        probabilities are rounded to half, as llama.cpp's matrix products with its f16 KV cache
-        round them; float32 K and V (an encoder's, or the exact mode's cache) round nothing, as
-        llama.cpp's products with float32 K and V do not. sinks: None, or float32[n_heads] sink
-        logits (gpt-oss)."""
+        """With an f16 KV cache (llama_cpp_rounding), q and the softmax probabilities are rounded
+        to half, as llama.cpp's matrix products with its f16 KV cache round them; float32 K and
+        V (an encoder's, or the exact mode's cache) round nothing, as llama.cpp's products with
+        float32 K and V do not. sinks: None, or float32[n_heads] sink logits (gpt-oss)."""
         f16 = self.llama_cpp_rounding and k_cache.dtype == np.uint16
-        if f16:
-            q[...] = q.astype(np.float16)
-        n_tokens, n_heads, head_dim = q.shape
-        n_ctx, n_kv_heads, _ = k_cache.shape
-        per_job = ops.heads_per_job(n_tokens, n_heads, n_kv_heads, numba.get_num_threads())
-        scores, row = self._attention_scratch(per_job, n_ctx, head_dim)
-        scale, softcap = np.float32(scale), np.float32(softcap)
-        sinks = _NO_SINKS if sinks is None else sinks
+        split, scratch = self._attention_scratch(q.shape, k_cache.shape, window)
         ops.attention(
-            q, k_cache, v_cache, start_pos, window, scale, softcap, sinks, f16, per_job, scores,
-            row, out, bool(causal),
+            q, k_cache, v_cache, start_pos, window, np.float32(scale), np.float32(softcap),
+            _NO_SINKS if sinks is None else sinks, f16, f16, split, scratch, out, bool(causal),
         )  # fmt: skip
         return out
 
@@ -394,34 +387,32 @@ class CPUBackend:
             )  # fmt: skip
         k0 = caches[0][0]
         f16 = self.llama_cpp_rounding and k0.dtype == np.uint16
-        if f16:
-            q[...] = q.astype(np.float16)
-        n_rows, n_heads, head_dim = q.shape
-        n_kv_heads = k0.shape[1]
         n_ctx = max(k.shape[0] for k, *_ in caches)
-        per_job = ops.heads_per_job(n_rows, n_heads, n_kv_heads, numba.get_num_threads())
-        scores, row = self._attention_scratch(per_job, n_ctx, head_dim)
+        split, scratch = self._attention_scratch(q.shape, (n_ctx, *k0.shape[1:]), window)
         starts = np.array([c[2] for c in caches], np.int64)
         first_rows = np.array([c[3] for c in caches] + [caches[-1][3] + caches[-1][4]], np.int64)
-        sinks = _NO_SINKS if sinks is None else sinks
         ops.attention_sequences(
             q, tuple(c[0] for c in caches), tuple(c[1] for c in caches), starts, first_rows,
-            window, np.float32(scale), np.float32(softcap), sinks, f16, per_job, scores, row, out,
+            window, np.float32(scale), np.float32(softcap), _NO_SINKS if sinks is None else sinks,
+            f16, f16, split, scratch, out,
         )  # fmt: skip
         return out
 
-    def _attention_scratch(self, heads: int, n_ctx: int, head_dim: int) -> tuple:
-        """Per-thread attention scratch (see ops.attention), made once per model and size."""
-        n_threads = numba.config.NUMBA_NUM_THREADS
+    def _attention_scratch(self, q_shape: tuple, cache_shape: tuple, window: int) -> tuple:
+        """(split, scratch) for an attention call (see ops.attention): the scratch is made once
+        per model, and again only when a call needs more slots (a longer context)."""
+        n_rows, n_heads, head_dim = q_shape
+        n_ctx, n_kv_heads, _ = cache_shape
+        threads = numba.config.NUMBA_NUM_THREADS
+        split = ops.split_jobs(n_rows, n_kv_heads, numba.get_num_threads())
+        slots = ops.attention_slots(n_rows if split else 0, n_kv_heads, n_ctx, window, threads)
+        key = (n_heads // n_kv_heads, head_dim)
         have = self._attention
-        if have is None or have[0].shape[1:] < (heads, n_ctx) or have[1].shape[1] < head_dim:
-            old = have[0].shape[1:] if have is not None else (0, 0)
-            shape = (n_threads, max(heads, old[0]), max(n_ctx, old[1]))
-            self._attention = have = (
-                np.empty(shape, np.float32),  # scores: [thread, head, key]
-                np.empty((n_threads, head_dim), np.float32),  # one K or V row in float32
-            )
-        return have
+        if have is None or have[0] != key or have[1][0].shape[0] < slots:
+            if have is not None and have[0] == key:
+                slots = max(slots, have[1][0].shape[0])
+            self._attention = have = (key, ops.attention_scratch(threads, *key, slots))
+        return split, have[1]
 
     def add_bias(self, x: np.ndarray, bias: np.ndarray) -> None:
         x += bias

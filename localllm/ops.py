@@ -305,25 +305,270 @@ def prefetch(typingctx, array, index, offset):
     return None
 
 
-# K/V rows this many positions ahead are prefetched while attention reads a long cache
-KV_PREFETCH = 16
+# ---- attention
+#
+# A token's keys are cut into chunks at multiples of KV_CHUNK positions. One pass over a chunk's K
+# rows (each converted from half once for all the query heads of its K/V head) gives their
+# scores, exp(score - the chunk's max) and their sum; the row's max and softmax sum come from its
+# chunks' (each sum rescaled to the row's max); one pass over the chunk's V rows adds each
+# probability times V; the chunks' outputs are added in order. The probabilities are those of
+# llama.cpp's K*Q -> softmax -> V*KQ graph (exp(score - max) / sum, rounded to half with an f16
+# cache), which the tests compare against. An online softmax (the output rescaled as the max
+# grows) leaves them unrounded, up to 2^-12 off each: that moved a logit of the qwen2moe fixture by
+# 1.1 (a near-tie of its router went the other way). Within one chunk the sums run in the order of
+# the Numba kernel this replaced, bit for bit (`_block_scores`).
+#
+# For a few rows (decode) every chunk is a job of its own (flash decoding), so that all threads
+# work even with 2 K/V heads; for many rows (prefill) one job runs a row's chunks in turn. A row's
+# chunks depend only on its position and the window, and its sums are written out in IR in one
+# order: batched or alone, split or not, on any number of threads, a row gets the same bits.
+
+KV_CHUNK = 256  # keys per chunk (a multiple of KV_BLOCK)
+KV_BLOCK = 32  # keys converted to float32 at a time (a multiple of 8), the block in L1
+KV_PREFETCH = 16  # K/V rows this many positions ahead are prefetched
+LANES = 16  # floats per vector of the IR kernels (one AVX-512 register, two AVX2 ones)
+
+# Numba's loop vectorizer stops at 256 bits on AVX-512 CPUs and picks each loop's summation order
+# for itself; the IR below holds 16 floats per vector and sums in one order whatever surrounds it.
+_F32 = ir.FloatType()
+_VF32 = ir.VectorType(_F32, LANES)
+_I32, _I64 = ir.IntType(32), ir.IntType(64)
 
 
-@njit(cache=True, inline="always")
-def _prefetch_head_row(cache, position, row_start, row_end):
-    """Prefetch bytes row_start..row_end (one K/V head) of cache[position], line by line."""
-    for line in range(row_start, row_end, 64):
-        prefetch(cache, position, line)
+def _is_matrix(t) -> bool:
+    """A C-contiguous float32[rows, cols] (the IR kernels' operands)."""
+    return isinstance(t, types.Array) and (t.dtype, t.ndim, t.layout) == (types.float32, 2, "C")
 
 
-@njit(cache=True, inline="always")
-def _head_row(cache, j, pos, kv, row_start, row_end, x):
-    """x = K/V head kv of cache[j] as float32, with the row KV_PREFETCH positions on (up to
-    pos) prefetched."""
-    if j + KV_PREFETCH <= pos:
-        _prefetch_head_row(cache, j + KV_PREFETCH, row_start, row_end)
-    for d in range(cache.shape[2]):
-        x[d] = kv_value(cache[j, kv, d])
+class _Matrix:
+    """A C-contiguous float32[rows, cols] in IR: its elements and 16-float vectors by (row, col)."""
+
+    def __init__(self, context, builder, array_type, value):
+        self.b = builder
+        array = context.make_array(array_type)(context, builder, value)
+        self.data = array.data
+        self.rows, self.cols = cgutils.unpack_tuple(builder, array.shape, 2)
+
+    def pointer(self, row, col):
+        return self.b.gep(self.data, [self.b.add(self.b.mul(row, self.cols), col)])
+
+    def load(self, row, col):
+        return self.b.load(self.pointer(row, col))
+
+    def load_vector(self, row, col):
+        return self.b.load(self.b.bitcast(self.pointer(row, col), _VF32.as_pointer()), align=4)
+
+    def store_vector(self, value, row, col):
+        self.b.store(
+            value, self.b.bitcast(self.pointer(row, col), value.type.as_pointer()), align=4
+        )
+
+
+def _int(value: int):
+    return ir.Constant(_I64, value)
+
+
+def _fmadd(builder, a, b, c):
+    """a * b + c rounded once (vfmadd), for floats or vectors of them."""
+    name = f"llvm.fma.v{a.type.count}f32" if isinstance(a.type, ir.VectorType) else "llvm.fma.f32"
+    fma = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(a.type, [a.type] * 3), name
+    )
+    return builder.call(fma, [a, b, c])
+
+
+def _halves_added(builder, vectors, sums, lanes):
+    """Vectors of `sums` sums of `lanes` lanes each, halved until one lane per sum: pairs of
+    vectors become one holding each sum's two halves added (lane l + lane l + lanes / 2), then
+    the last vector's. Returns a <sums * len(vectors) x float>. A sum's lanes are added in the
+    same order whatever the other sums hold."""
+
+    def halves(a, c, parts):
+        half = lanes // 2
+        low = [part + i * lanes + k for part in parts for i in range(sums) for k in range(half)]
+        mask = ir.VectorType(_I32, len(low))
+        lo = builder.shuffle_vector(a, c, ir.Constant(mask, low))
+        hi = builder.shuffle_vector(a, c, ir.Constant(mask, [k + half for k in low]))
+        return builder.fadd(lo, hi)
+
+    while len(vectors) > 1:
+        vectors = [
+            halves(a, c, (0, LANES)) for a, c in zip(vectors[::2], vectors[1::2], strict=True)
+        ]
+        sums, lanes = 2 * sums, lanes // 2
+    v = vectors[0]
+    while lanes > 1:
+        v = halves(v, v, (0,))
+        lanes //= 2
+    return v
+
+
+# The order of a q.k sum is that of the Numba loop these kernels replaced, which the tests'
+# tolerances against llama.cpp were measured with (LLVM's vectorization of it): 4 accumulators of
+# 8 lanes over each 32 dimensions, added a0 + a1 + a2 + a3, then lanes 4 + 4, 2 + 2, 1 + 1; the
+# dimensions past the last 32 then 4 at a time (`_tail_products`), the last 0-3 one by one. Here
+# the 4 accumulators are two 16-float vectors per key, [a0 | a1] and [a2 | a3].
+_STEP = 2 * LANES
+
+
+def _tail_products(b, mq, mx, ms, head, i0, at, start, dims):
+    """s[head, at + k] += q[head, d] * x[i0 + k, d] for the 8 keys k, dimensions d = start..dims-1
+    past the _STEP steps: 4 at a time in 4-lane chains ([s, 0, 0, 0] first, their lanes added
+    (0 + 2) + (1 + 3) after), then the last one by one."""
+    v4 = ir.VectorType(_F32, 4)
+    n_fours = b.udiv(b.sub(dims, start), _int(4))
+    with b.if_then(b.icmp_unsigned(">", n_fours, _int(0))):
+        sums = []
+        for k in range(8):
+            sums.append(cgutils.alloca_once(b, v4))
+            first = ms.load(head, b.add(at, _int(k)))
+            b.store(
+                b.insert_element(ir.Constant(v4, [0.0] * 4), first, ir.Constant(_I32, 0)), sums[-1]
+            )
+        with cgutils.for_range(b, n_fours) as four:
+            d = b.add(start, b.mul(four.index, _int(4)))
+            qv = b.load(b.bitcast(mq.pointer(head, d), v4.as_pointer()), align=4)
+            for k, total in enumerate(sums):
+                xv = b.load(b.bitcast(mx.pointer(b.add(i0, _int(k)), d), v4.as_pointer()), align=4)
+                b.store(_fmadd(b, qv, xv, b.load(total)), total)
+        for k, total in enumerate(sums):
+            v = b.load(total)
+            lanes = [b.extract_element(v, ir.Constant(_I32, i)) for i in range(4)]
+            dot = b.fadd(b.fadd(lanes[0], lanes[2]), b.fadd(lanes[1], lanes[3]))
+            b.store(dot, ms.pointer(head, b.add(at, _int(k))))
+    rest = b.add(start, b.mul(n_fours, _int(4)))
+    with cgutils.for_range_slice(b, rest, dims, _int(1)) as (d, _):
+        qd = mq.load(head, d)
+        for k in range(8):
+            out = ms.pointer(head, b.add(at, _int(k)))
+            b.store(_fmadd(b, qd, mx.load(b.add(i0, _int(k)), d), b.load(out)), out)
+
+
+@intrinsic
+def _block_scores(typingctx, qh, x, n, s, col, head_dim):
+    """s[g, col + i] = qh[g, :head_dim] . x[i, :head_dim] for every query head g, i < n rounded
+    up to 8.
+
+    qh: float32[group, width], x: float32[rows, width], s: float32[group, cols]; x and s wide
+    enough for n rounded up. Per head, 8 keys at a time share the loads of q; each key's
+    products go into 2 vectors of multiply-add chains over the _STEP-dimension steps, reduced
+    for the 8 keys together (`_halves_added`)."""
+    if not (_is_matrix(qh) and _is_matrix(x) and _is_matrix(s)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        mq, mx, ms = (_Matrix(context, b, signature.args[i], args[i]) for i in (0, 1, 3))
+        n_keys, first, dims = (
+            context.cast(b, args[i], signature.args[i], types.intp) for i in (2, 4, 5)
+        )
+        n_steps = b.udiv(dims, _int(_STEP))
+        sums = [[cgutils.alloca_once(b, _VF32) for _ in range(2)] for _ in range(8)]
+        heads = cgutils.for_range(b, mq.rows)
+        groups = cgutils.for_range(b, b.udiv(b.add(n_keys, _int(7)), _int(8)))
+        low = ir.Constant(ir.VectorType(_I32, LANES), [*range(8), *range(16, 24)])
+        high = ir.Constant(ir.VectorType(_I32, LANES), [*range(8, 16), *range(24, 32)])
+        with heads as head, groups as group:
+            i0 = b.mul(group.index, _int(8))
+            for key in sums:
+                for total in key:
+                    b.store(ir.Constant(_VF32, None), total)
+            with cgutils.for_range(b, n_steps) as step:
+                for half in range(2):
+                    at = b.add(b.mul(step.index, _int(_STEP)), _int(half * LANES))
+                    qv = mq.load_vector(head.index, at)
+                    for k, key in enumerate(sums):
+                        xv = mx.load_vector(b.add(i0, _int(k)), at)
+                        b.store(_fmadd(b, qv, xv, b.load(key[half])), key[half])
+            pairs = []  # two keys' ((a0 + a1) + a2) + a3 each, 8 lanes
+            for k in range(0, 8, 2):
+                (z0, z1), (y0, y1) = ([b.load(v) for v in sums[j]] for j in (k, k + 1))
+                total = b.fadd(b.shuffle_vector(z0, y0, low), b.shuffle_vector(z0, y0, high))
+                total = b.fadd(total, b.shuffle_vector(z1, y1, low))
+                pairs.append(b.fadd(total, b.shuffle_vector(z1, y1, high)))
+            at = b.add(first, i0)
+            ms.store_vector(_halves_added(b, pairs, 2, 8), head.index, at)
+            _tail_products(b, mq, mx, ms, head.index, i0, at, b.mul(n_steps, _int(_STEP)), dims)
+        return context.get_dummy_value()
+
+    return types.void(qh, x, n, s, col, head_dim), codegen
+
+
+@intrinsic
+def _block_values(typingctx, acc, p, col, x, n):
+    """acc[g] += p[g, col + i] * x[i] for every query head g, keys i = 0..n-1 in order.
+
+    acc: float32[group, width], p: float32[group, cols], x: float32[rows, width]; width a
+    multiple of LANES. Runs of 8, 4, then 1 vectors of a head's acc stay in registers over the
+    keys: one multiply-add per lane and key, in key order, whichever run a lane is in."""
+    if not (_is_matrix(acc) and _is_matrix(p) and _is_matrix(x)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        ma, mp, mx = (_Matrix(context, b, signature.args[i], args[i]) for i in (0, 1, 3))
+        first, n_keys = (context.cast(b, args[i], signature.args[i], types.intp) for i in (2, 4))
+        n_vectors = b.udiv(ma.cols, _int(LANES))
+        done = cgutils.alloca_once(b, _I64)  # vectors of this head's acc done
+        broadcast = ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES)
+        with cgutils.for_range(b, ma.rows) as head:
+            b.store(_int(0), done)
+            for run in (8, 4, 1):
+                sums = [cgutils.alloca_once(b, _VF32) for _ in range(run)]
+                n_runs = b.udiv(b.sub(n_vectors, b.load(done)), _int(run))
+                with cgutils.for_range(b, n_runs):
+                    start = b.load(done)
+                    cols = [b.mul(b.add(start, _int(k)), _int(LANES)) for k in range(run)]
+                    for total, at in zip(sums, cols, strict=True):
+                        b.store(ma.load_vector(head.index, at), total)
+                    with cgutils.for_range(b, n_keys) as key:
+                        pk = mp.load(head.index, b.add(first, key.index))
+                        pv = b.insert_element(ir.Constant(_VF32, None), pk, ir.Constant(_I32, 0))
+                        pv = b.shuffle_vector(pv, pv, broadcast)
+                        for total, at in zip(sums, cols, strict=True):
+                            xv = mx.load_vector(key.index, at)
+                            b.store(_fmadd(b, pv, xv, b.load(total)), total)
+                    for total, at in zip(sums, cols, strict=True):
+                        ma.store_vector(b.load(total), head.index, at)
+                    b.store(b.add(start, _int(run)), done)
+        return context.get_dummy_value()
+
+    return types.void(acc, p, col, x, n), codegen
+
+
+@intrinsic
+def _rows_to_f32(typingctx, cache, j0, n, kv, x):
+    """x[i, :head_dim] = cache[j0 + i, kv] for i < n, LANES elements per load: a C-contiguous
+    cache of IEEE half bits (converted, vcvtph2ps) or of float32; head_dim a multiple of LANES."""
+    if not (
+        isinstance(cache, types.Array) and cache.ndim == 3 and cache.layout == "C"
+        and cache.dtype in (types.uint16, types.float32) and _is_matrix(x)
+    ):  # fmt: skip
+        return None
+    half = cache.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        array = context.make_array(signature.args[0])(context, b, args[0])
+        _, n_kv_heads, head_dim = cgutils.unpack_tuple(b, array.shape, 3)
+        first, count, head = (
+            context.cast(b, args[i], signature.args[i], types.intp) for i in (1, 2, 3)
+        )
+        mx = _Matrix(context, b, signature.args[4], args[4])
+        element = ir.IntType(16) if half else _F32
+        data = b.bitcast(array.data, element.as_pointer())
+        source = ir.VectorType(element, LANES).as_pointer()
+        with cgutils.for_range(b, count) as row:
+            start = b.mul(b.add(b.mul(b.add(first, row.index), n_kv_heads), head), head_dim)
+            with cgutils.for_range(b, b.udiv(head_dim, _int(LANES))) as vector:
+                at = b.mul(vector.index, _int(LANES))
+                value = b.load(b.bitcast(b.gep(data, [b.add(start, at)]), source), align=2)
+                if half:
+                    value = b.fpext(b.bitcast(value, ir.VectorType(ir.HalfType(), LANES)), _VF32)
+                mx.store_vector(value, row.index, at)
+        return context.get_dummy_value()
+
+    return types.void(cache, j0, n, kv, x), codegen
 
 
 def kv_value(x):
@@ -341,12 +586,236 @@ def _kv_value(x):
     return None
 
 
-# reassoc: lets LLVM vectorize the q.k dot products (a float sum is otherwise one serial chain,
-# measured ~5x slower); their rounding order is not part of any contract.
+def convert_rows(cache, j0, n, kv, x):
+    """x[i, :head_dim] = K/V head kv of cache[j0 + i] as float32, for i < n."""
+
+
+@njit(cache=True, inline="always")
+def _convert_elements(cache, j0, n, kv, x):
+    for i in range(n):
+        for d in range(cache.shape[2]):
+            x[i, d] = kv_value(cache[j0 + i, kv, d])
+
+
+@overload(convert_rows, inline="always")
+def _convert_rows(cache, j0, n, kv, x):
+    if not (cache.layout == "C" and (cache.dtype == types.float32 or HARDWARE_HALF)):
+        return lambda cache, j0, n, kv, x: _convert_elements(cache, j0, n, kv, x)
+
+    def rows(cache, j0, n, kv, x):
+        if cache.shape[2] % LANES == 0:
+            _rows_to_f32(cache, j0, n, kv, x)
+        else:
+            _convert_elements(cache, j0, n, kv, x)
+
+    return rows
+
+
+@njit(cache=True, inline="always")
+def _prefetch_head_row(cache, position, row_start, row_end):
+    """Prefetch bytes row_start..row_end (one K/V head) of cache[position], line by line."""
+    for line in range(row_start, row_end, 64):
+        prefetch(cache, position, line)
+
+
+@njit(cache=True, inline="always")
+def _head_rows(cache, j0, n, last, kv, x):
+    """x[:n] = K/V head kv of cache[j0:j0 + n] as float32, the rows KV_PREFETCH positions on (up
+    to last) prefetched."""
+    head_bytes = cache.shape[2] * cache.itemsize
+    for j in range(j0 + KV_PREFETCH, min(j0 + n + KV_PREFETCH, last + 1)):
+        _prefetch_head_row(cache, j, kv * head_bytes, (kv + 1) * head_bytes)
+    convert_rows(cache, j0, n, kv, x)
+
+
+@intrinsic
+def _round_half(typingctx, x):
+    """float32 x rounded to the nearest IEEE half (ties to even) and back (vcvtps2ph)."""
+    if x == types.float32:
+
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+
+        return types.float32(x), codegen
+    return None
+
+
+@njit(cache=True, inline="always")
+def _half(x):
+    """float32 x as the nearest IEEE half, as float32."""
+    return _round_half(x) if HARDWARE_HALF else round_f16(x)
+
+
+@njit(cache=True, inline="always")
+def _first_key(pos, window):
+    """The first key the token at position pos sees (window: 0, or the sliding window)."""
+    return pos - window + 1 if window > 0 and pos - window + 1 > 0 else 0
+
+
+@njit(cache=True, inline="always")
+def _n_chunks(pos, window):
+    """How many chunks hold the keys the token at position pos sees."""
+    return pos // KV_CHUNK - _first_key(pos, window) // KV_CHUNK + 1
+
+
+@njit(cache=True, inline="always")
+def _chunk_scores(
+    q, t, kv, k_cache, pos, chunk, window, scale, softcap, sinks, round_q, qh, x, s, stats,
+):  # fmt: skip
+    """One pass over the K rows of chunk `chunk` (positions chunk * KV_CHUNK.., within the keys
+    ..pos of row t), for the group's query heads g of K/V head kv: stats[g] = (the max of the
+    scaled (capped) scores, with the head's sink logit if any; the sum of exp(score - max)) and
+    s[g, i] = exp(score - max) for the chunk's i-th key."""
+    group, head_dim = s.shape[0], q.shape[2]
+    h0 = kv * group
+    lo = max(chunk * KV_CHUNK, _first_key(pos, window))
+    hi = min((chunk + 1) * KV_CHUNK, pos + 1)
+    for g in range(group):
+        for d in range(head_dim):  # q in half where K is (llama.cpp's f16 K * Q product)
+            qh[g, d] = _half(q[t, h0 + g, d]) if round_q else q[t, h0 + g, d]
+    for j0 in range(lo, hi, KV_BLOCK):
+        n = min(KV_BLOCK, hi - j0)
+        _head_rows(k_cache, j0, n, hi - 1, kv, x)
+        _block_scores(qh, x, n, s, j0 - lo, head_dim)
+    inv_cap = np.float32(1.0 / softcap) if softcap > 0 else np.float32(0.0)
+    for g in range(group):
+        if softcap > 0:  # ggml_scale -> ggml_tanh -> ggml_scale
+            for i in range(hi - lo):
+                s[g, i] = softcap * np.float32(math.tanh(s[g, i] * scale * inv_cap))
+        else:
+            for i in range(hi - lo):
+                s[g, i] *= scale
+        best = sinks[h0 + g] if sinks.shape[0] else np.float32(-np.inf)
+        for i in range(hi - lo):
+            best = max(best, s[g, i])
+        total = 0.0  # float64, as ggml's soft_max sums
+        for i in range(hi - lo):
+            e = expf(s[g, i] - best)
+            s[g, i] = e
+            total += e
+        stats[g, 0] = best
+        stats[g, 1] = total
+
+
+@njit(cache=True, inline="always")
+def _row_norm(stats, first, n, step, sinks, h0, norm):
+    """norm[g] = (the row's max score, 1 / its softmax sum) from its n chunks' stats (slots
+    first, first + step, ..), with the sink logits (if any) in the max and the sum."""
+    for g in range(norm.shape[0]):
+        best = np.float32(-np.inf)
+        for c in range(n):
+            best = max(best, np.float32(stats[first + c * step, g, 0]))
+        if sinks.shape[0]:
+            best = max(best, sinks[h0 + g])
+        total = 0.0
+        for c in range(n):  # a chunk's sum rescaled to the row's max (times 1 for one chunk)
+            chunk = stats[first + c * step, g]
+            total += chunk[1] * expf(np.float32(chunk[0]) - best)
+        if sinks.shape[0]:
+            total += expf(sinks[h0 + g] - best)
+        norm[g, 0] = best
+        norm[g, 1] = np.float32(1.0 / total)
+
+
+@njit(cache=True, inline="always")
+def _chunk_values(kv, v_cache, pos, chunk, window, stats, norm, f16_probs, s, x, acc):
+    """One pass over the V rows of the chunk: acc[g] = the sum of p * v over its keys, p =
+    exp(score - max) / sum from s = exp(score - the chunk's max), stats and norm (rounded to half
+    if f16_probs, as llama.cpp's V*KQ product with its f16 V rounds them)."""
+    group, width = acc.shape
+    lo = max(chunk * KV_CHUNK, _first_key(pos, window))
+    hi = min((chunk + 1) * KV_CHUNK, pos + 1)
+    for g in range(group):
+        # exp(chunk max - row max) / sum: 1 / sum exactly where the chunk holds the row's max
+        factor = expf(np.float32(stats[g, 0]) - norm[g, 0]) * norm[g, 1]
+        for i in range(hi - lo):
+            p = s[g, i] * factor
+            s[g, i] = _half(p) if f16_probs else p
+        for d in range(width):
+            acc[g, d] = 0.0
+    for j0 in range(lo, hi, KV_BLOCK):
+        n = min(KV_BLOCK, hi - j0)
+        _head_rows(v_cache, j0, n, hi - 1, kv, x)
+        _block_values(acc, s, j0 - lo, x, n)
+
+
+@njit(cache=True, inline="always")
+def _row_output(acc, first, n, step, t, kv, out):
+    """out[t]'s heads of K/V head kv = the sum of the row's n chunk outputs (acc slots first,
+    first + step, ..), added in order."""
+    group, head_dim = acc.shape[1], out.shape[2]
+    for g in range(group):
+        for d in range(head_dim):
+            out[t, kv * group + g, d] = acc[first, g, d]
+    for c in range(1, n):
+        for g in range(group):
+            for d in range(head_dim):
+                out[t, kv * group + g, d] += acc[first + c * step, g, d]
+
+
+@njit(cache=True, inline="always")
+def _attend_row(
+    q, t, kv, k_cache, v_cache, pos, window, scale, softcap, sinks, round_q, f16_probs, scratch,
+    out,
+):  # fmt: skip
+    """Row t's query heads of K/V head kv over its keys ..pos, chunk after chunk on this thread
+    (its slots of the scratch)."""
+    s, stats, norm, acc, qh, x = scratch
+    thread = get_thread_id()
+    base = thread * (s.shape[0] // x.shape[0])
+    first, n = _first_key(pos, window) // KV_CHUNK, _n_chunks(pos, window)
+    for c in range(n):
+        _chunk_scores(
+            q, t, kv, k_cache, pos, first + c, window, scale, softcap, sinks, round_q,
+            qh[thread], x[thread], s[base + c], stats[base + c],
+        )  # fmt: skip
+    _row_norm(stats, base, n, 1, sinks, kv * s.shape[1], norm[base])
+    for c in range(n):
+        _chunk_values(
+            kv, v_cache, pos, first + c, window, stats[base + c], norm[base], f16_probs,
+            s[base + c], x[thread], acc[base + c],
+        )  # fmt: skip
+    _row_output(acc, base, n, 1, t, kv, out)
+
+
+@njit(cache=True)
+def _chunk_job(job, start_pos, n_keys, causal, window, n_kv_heads):
+    """(row t, its last key, chunk, K/V head, the slot of the row's first chunk for that head) of
+    a split `attention` job. Jobs (and slots) go row by row, chunk by chunk, head by head."""
+    t, first = 0, 0
+    while True:
+        pos = start_pos + t if causal else n_keys - 1
+        n = _n_chunks(pos, window) * n_kv_heads
+        if job < first + n:
+            c, kv = (job - first) // n_kv_heads, (job - first) % n_kv_heads
+            return t, pos, c + _first_key(pos, window) // KV_CHUNK, kv, first + kv
+        first += n
+        t += 1
+
+
+@njit(cache=True)
+def _sequence_chunk_job(job, starts, first_rows, window, n_kv_heads):
+    """`_chunk_job` for `attention_sequences`: (row t, its sequence, its position, chunk, K/V
+    head, the slot of the row's first chunk for that head)."""
+    t, seq, first = 0, 0, 0
+    while True:
+        while t >= first_rows[seq + 1]:
+            seq += 1
+        pos = starts[seq] + t - first_rows[seq]
+        n = _n_chunks(pos, window) * n_kv_heads
+        if job < first + n:
+            c, kv = (job - first) // n_kv_heads, (job - first) % n_kv_heads
+            return t, seq, pos, c + _first_key(pos, window) // KV_CHUNK, kv, first + kv
+        first += n
+        t += 1
+
+
+# reassoc: the softmax sums vectorize (a float sum is otherwise one serial chain); their order is
+# not part of any contract, and the products' order is fixed in the IR kernels.
 @njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
 def attention(
-    q, k_cache, v_cache, start_pos, window, scale, softcap, sinks, f16_probs, heads_per_job,
-    scores, row, out, causal,
+    q, k_cache, v_cache, start_pos, window, scale, softcap, sinks, round_q, f16_probs, split,
+    scratch, out, causal,
 ):  # fmt: skip
     """Causal multi-head attention over an f16 KV cache, with grouped K/V heads and an optional
     sliding window; or, not `causal`, every token over all start_pos + n_tokens keys (the
@@ -362,118 +831,153 @@ def attention(
     (Gemma 2's attention logit softcapping, as ggml_scale -> ggml_tanh -> ggml_scale computes it).
     sinks: float32[n_heads] or empty: each head's sink logit (gpt-oss), one more term of the
     softmax's max and sum that weights no value, as ggml_soft_max_ext with sinks computes it.
-    f16_probs: round the softmax probabilities to half before they weight V, as llama.cpp's
-    K*Q -> softmax -> V*KQ graph does with its f16 KV cache (the V product takes f16 operands).
-    heads_per_job: query heads of one K/V head that one job handles (a divisor of n_heads //
-    n_kv_heads): each K and V row is converted from half once for all of them, not once per head.
-    scores: float32[n_threads, heads_per_job, n_ctx] and row: float32[n_threads, head_dim],
-    scratch per thread, allocated once by the caller (nothing is allocated here).
+    round_q, f16_probs: q rounded to half before q.k, the probabilities before they weight V, as
+    llama.cpp's K*Q and V*KQ products with its f16 KV cache round them.
+    split: each chunk of each row a job of its own (decode), else a job per row and K/V head
+    (prefill); the same result (see KV_CHUNK).
+    scratch: `attention_scratch(...)`, allocated once by the caller.
     out: float32[n_tokens, n_heads, head_dim]
     """
-    n_tokens, n_heads, head_dim = q.shape
+    n_tokens = q.shape[0]
     n_keys = start_pos + n_tokens
     n_kv_heads = k_cache.shape[1]
-    n_split = n_heads // n_kv_heads // heads_per_job
-    for job in prange(n_tokens * n_kv_heads * n_split):
-        t = job // (n_kv_heads * n_split)
-        pos = start_pos + t if causal else n_keys - 1  # the last key this token sees
-        _attend_job(
-            q, t, job % (n_kv_heads * n_split), k_cache, v_cache, pos, window, scale, softcap,
-            sinks, f16_probs, heads_per_job, scores, row, out,
+    if not split:
+        for job in prange(n_tokens * n_kv_heads):
+            t, kv = job // n_kv_heads, job % n_kv_heads
+            pos = start_pos + t if causal else n_keys - 1  # the last key this token sees
+            _attend_row(
+                q, t, kv, k_cache, v_cache, pos, window, scale, softcap, sinks, round_q,
+                f16_probs, scratch, out,
+            )  # fmt: skip
+        return
+    s, stats, norm, acc, qh, x = scratch
+    n_jobs = 0
+    for t in range(n_tokens):
+        n_jobs += _n_chunks(start_pos + t if causal else n_keys - 1, window) * n_kv_heads
+    for job in prange(n_jobs):
+        t, pos, c, kv, _ = _chunk_job(np.int64(job), start_pos, n_keys, causal, window, n_kv_heads)
+        thread = get_thread_id()
+        _chunk_scores(
+            q, t, kv, k_cache, pos, c, window, scale, softcap, sinks, round_q, qh[thread],
+            x[thread], s[job], stats[job],
         )  # fmt: skip
+    slot = 0
+    for t in range(n_tokens):
+        n = _n_chunks(start_pos + t if causal else n_keys - 1, window)
+        for kv in range(n_kv_heads):
+            _row_norm(stats, slot + kv, n, n_kv_heads, sinks, kv * s.shape[1], norm[slot + kv])
+        slot += n * n_kv_heads
+    for job in prange(n_jobs):
+        t, pos, c, kv, first = _chunk_job(
+            np.int64(job), start_pos, n_keys, causal, window, n_kv_heads
+        )
+        _chunk_values(
+            kv, v_cache, pos, c, window, stats[job], norm[first], f16_probs, s[job],
+            x[get_thread_id()], acc[job],
+        )  # fmt: skip
+    slot = 0
+    for t in range(n_tokens):
+        n = _n_chunks(start_pos + t if causal else n_keys - 1, window)
+        for kv in range(n_kv_heads):
+            _row_output(acc, slot + kv, n, n_kv_heads, t, kv, out)
+        slot += n * n_kv_heads
 
 
 @njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
 def attention_sequences(
-    q, k_caches, v_caches, starts, first_rows, window, scale, softcap, sinks, f16_probs,
-    heads_per_job, scores, row, out,
+    q, k_caches, v_caches, starts, first_rows, window, scale, softcap, sinks, round_q, f16_probs,
+    split, scratch, out,
 ):  # fmt: skip
     """`attention` for the rows of several sequences in one parallel region (a batched step):
     rows first_rows[s]..first_rows[s + 1] - 1 of q are sequence s's tokens at positions
     starts[s].., over its own cache k_caches[s], v_caches[s] (a tuple of one layer's caches,
     each filled up to its last row's position). Each row's arithmetic is `attention`'s, so a
     sequence gets the same result here as alone."""
-    n_rows, n_heads, head_dim = q.shape
+    n_rows = q.shape[0]
     n_kv_heads = k_caches[0].shape[1]
-    n_split = n_heads // n_kv_heads // heads_per_job
-    for job in prange(n_rows * n_kv_heads * n_split):
-        t = job // (n_kv_heads * n_split)
-        seq = 0
+    if not split:
+        for job in prange(n_rows * n_kv_heads):
+            t, kv = job // n_kv_heads, job % n_kv_heads
+            seq = 0
+            while t >= first_rows[seq + 1]:
+                seq += 1
+            pos = starts[seq] + t - first_rows[seq]
+            _attend_row(
+                q, t, kv, k_caches[seq], v_caches[seq], pos, window, scale, softcap, sinks,
+                round_q, f16_probs, scratch, out,
+            )  # fmt: skip
+        return
+    s, stats, norm, acc, qh, x = scratch
+    n_jobs, seq = 0, 0
+    for t in range(n_rows):
         while t >= first_rows[seq + 1]:
             seq += 1
-        pos = starts[seq] + t - first_rows[seq]
-        _attend_job(
-            q, t, job % (n_kv_heads * n_split), k_caches[seq], v_caches[seq], pos, window,
-            scale, softcap, sinks, f16_probs, heads_per_job, scores, row, out,
+        n_jobs += _n_chunks(starts[seq] + t - first_rows[seq], window) * n_kv_heads
+    for job in prange(n_jobs):
+        t, seq, pos, c, kv, _ = _sequence_chunk_job(
+            np.int64(job), starts, first_rows, window, n_kv_heads
+        )
+        thread = get_thread_id()
+        _chunk_scores(
+            q, t, kv, k_caches[seq], pos, c, window, scale, softcap, sinks, round_q,
+            qh[thread], x[thread], s[job], stats[job],
         )  # fmt: skip
+    slot, seq = 0, 0
+    for t in range(n_rows):
+        while t >= first_rows[seq + 1]:
+            seq += 1
+        n = _n_chunks(starts[seq] + t - first_rows[seq], window)
+        for kv in range(n_kv_heads):
+            _row_norm(stats, slot + kv, n, n_kv_heads, sinks, kv * s.shape[1], norm[slot + kv])
+        slot += n * n_kv_heads
+    for job in prange(n_jobs):
+        t, seq, pos, c, kv, first = _sequence_chunk_job(
+            np.int64(job), starts, first_rows, window, n_kv_heads
+        )
+        _chunk_values(
+            kv, v_caches[seq], pos, c, window, stats[job], norm[first], f16_probs, s[job],
+            x[get_thread_id()], acc[job],
+        )  # fmt: skip
+    slot, seq = 0, 0
+    for t in range(n_rows):
+        while t >= first_rows[seq + 1]:
+            seq += 1
+        n = _n_chunks(starts[seq] + t - first_rows[seq], window)
+        for kv in range(n_kv_heads):
+            _row_output(acc, slot + kv, n, n_kv_heads, t, kv, out)
+        slot += n * n_kv_heads
 
 
-@njit(cache=True, inline="always", fastmath={"reassoc", "contract"})
-def _attend_job(
-    q, t, part, k_cache, v_cache, pos, window, scale, softcap, sinks, f16_probs, heads_per_job,
-    scores, row, out,
-):  # fmt: skip
-    """Row t of q, the query heads of K/V head part // n_split (the (part % n_split)-th
-    heads_per_job of them), over keys ..pos of the cache (see `attention`)."""
-    n_heads, head_dim = q.shape[1], q.shape[2]
-    n_kv_heads = k_cache.shape[1]
-    group = n_heads // n_kv_heads
-    n_split = group // heads_per_job
-    kv = part // n_split
-    h0 = kv * group + part % n_split * heads_per_job
-    inv_cap = np.float32(1.0 / softcap) if softcap > 0 else np.float32(0.0)
-    first = 0
-    if window > 0 and pos - window + 1 > 0:
-        first = pos - window + 1
-    thread = get_thread_id()
-    s, x = scores[thread], row[thread]
-    row_start = kv * head_dim * k_cache.itemsize  # bytes of this K/V head in a cache row
-    row_end = row_start + head_dim * k_cache.itemsize
-    for j in range(first, pos + 1):
-        _head_row(k_cache, j, pos, kv, row_start, row_end, x)
-        for g in range(heads_per_job):
-            dot = np.float32(0.0)
-            for d in range(head_dim):
-                dot += q[t, h0 + g, d] * x[d]
-            dot *= scale
-            if softcap > 0:
-                dot = softcap * np.float32(math.tanh(dot * inv_cap))
-            s[g, j] = dot
-    for g in range(heads_per_job):
-        best = np.float32(-np.inf)
-        for j in range(first, pos + 1):
-            best = max(best, s[g, j])
-        if sinks.shape[0]:
-            best = max(best, sinks[h0 + g])
-        total = 0.0  # float64, as ggml's soft_max sums
-        for j in range(first, pos + 1):
-            e = expf(s[g, j] - best)
-            s[g, j] = e
-            total += e
-        if sinks.shape[0]:
-            total += expf(sinks[h0 + g] - best)
-        inv = np.float32(1.0 / total)
-        for j in range(first, pos + 1):
-            p = s[g, j] * inv
-            s[g, j] = round_f16(p) if f16_probs else p
-        for d in range(head_dim):
-            out[t, h0 + g, d] = 0.0
-    for j in range(first, pos + 1):
-        _head_row(v_cache, j, pos, kv, row_start, row_end, x)
-        for g in range(heads_per_job):
-            p = s[g, j]
-            for d in range(head_dim):
-                out[t, h0 + g, d] += p * x[d]
+def split_jobs(n_rows: int, n_kv_heads: int, n_threads: int) -> bool:
+    """Whether `attention` should make each chunk of a row a job of its own: where a job per row
+    and K/V head would leave threads idle or unevenly loaded (decode)."""
+    return n_rows * n_kv_heads < 2 * n_threads
 
 
-def heads_per_job(n_tokens: int, n_heads: int, n_kv_heads: int, n_threads: int) -> int:
-    """The most query heads per attention job (a divisor of the group) that still gives every
-    thread a job: sharing a K/V row among more heads reads and converts it fewer times."""
-    group = n_heads // n_kv_heads
-    for split in range(1, group + 1):
-        if group % split == 0 and n_tokens * n_kv_heads * split >= n_threads:
-            return group // split
-    return 1
+def attention_slots(n_rows: int, n_kv_heads: int, n_ctx: int, window: int, n_threads: int) -> int:
+    """The scratch slots (one chunk's scores, sums and output each) an `attention` call over
+    n_rows rows needs, split or not: one per job split, every chunk of a row per thread not."""
+    keys = min(n_ctx, window) if window > 0 else n_ctx
+    chunks = (keys + KV_CHUNK - 2) // KV_CHUNK + 1  # the most chunks a row's keys touch
+    return max(n_rows * n_kv_heads * chunks, n_threads * chunks)
+
+
+def attention_scratch(n_threads: int, group: int, head_dim: int, n_slots: int) -> tuple:
+    """`attention`'s scratch, for n_threads threads and group query heads per K/V head:
+    per slot, s: float32[group, KV_CHUNK] (a chunk's scores, then probabilities), stats:
+    float64[group, 2] (their max and sum), norm: float32[group, 2] (the row's max and 1 / sum),
+    acc: float32[group, width] (the chunk's output); per thread, qh: float32[group, width] (the
+    group's queries) and x: float32[KV_BLOCK, width] (K or V rows in float32). width: head_dim
+    rounded up to LANES, the padding zero."""
+    width = -(-head_dim // LANES) * LANES
+    return (
+        np.empty((n_slots, group, KV_CHUNK), np.float32),
+        np.empty((n_slots, group, 2), np.float64),
+        np.empty((n_slots, group, 2), np.float32),
+        np.empty((n_slots, group, width), np.float32),
+        np.zeros((n_threads, group, width), np.float32),
+        np.zeros((n_threads, KV_BLOCK, width), np.float32),
+    )
 
 
 @njit(cache=True)

@@ -130,51 +130,115 @@ def _attention_ref(q, k, v, start_pos, window, scale, softcap=0.0, causal=True, 
     return out
 
 
+def _scratch(n_rows, n_heads, n_kv_heads, head_dim, n_ctx, window):
+    threads = numba.config.NUMBA_NUM_THREADS
+    slots = ops.attention_slots(n_rows, n_kv_heads, n_ctx, window, threads)
+    return ops.attention_scratch(threads, n_heads // n_kv_heads, head_dim, slots)
+
+
+def _attention(q, k_cache, v_cache, start, window, softcap=0.0, sinks=None, split=False,
+               causal=True, f16=False):  # fmt: skip
+    """ops.attention's output, its scratch made as the backend makes it; f16: q and the
+    probabilities rounded to half (as with the backend's f16 cache)."""
+    n_tokens, n_heads, head_dim = q.shape
+    n_ctx, n_kv_heads, _ = k_cache.shape
+    scratch = _scratch(n_tokens, n_heads, n_kv_heads, head_dim, n_ctx, window)
+    out = np.full_like(q, np.nan)
+    sinks = np.zeros(0, np.float32) if sinks is None else sinks
+    ops.attention(
+        q, k_cache, v_cache, start, window, np.float32(1 / math.sqrt(head_dim)),
+        np.float32(softcap), sinks, f16, f16, split, scratch, out, causal,
+    )  # fmt: skip
+    return out
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("half_bits", [True, False], ids=["f16-cache", "f32-cache"])
-@pytest.mark.parametrize("heads_per_job", [1, 3])
+@pytest.mark.parametrize("split", [False, True], ids=["row-jobs", "chunk-jobs"])
+@pytest.mark.parametrize("head_dim", [8, 32], ids=["dim8", "dim32"])
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (3, 0.0), (0, 2.0), (3, 2.0)])
-def test_attention_gqa_causal_window(window, softcap, heads_per_job, half_bits, causal):
+def test_attention_gqa_causal_window(window, softcap, head_dim, split, half_bits, causal):
     """GQA, causal, windowed; with softcap (Gemma 2) scores of ~3 units are capped near 2; and
-    bidirectional (encoders): every token over all the keys."""
-    n_ctx, n_heads, n_kv, head_dim, start, n = 16, 6, 2, 8, 5, 4
-    q = rng.standard_normal((n, n_heads, head_dim)).astype(np.float32) * 3
+    bidirectional (encoders): every token over all the keys. head_dim 32 runs the vector kernels
+    (multiples of ops.LANES), 8 the element loops."""
+    n_ctx, n_heads, n_kv, start, n = 16, 6, 2, 5, 4
+    q = rng.standard_normal((n, n_heads, head_dim)).astype(np.float32) * 3 * math.sqrt(head_dim / 8)
     # The cache holds half bits (or float32 in exact mode); the reference takes the same halves.
     k = rng.standard_normal((n_ctx, n_kv, head_dim)).astype(np.float16)
     v = rng.standard_normal((n_ctx, n_kv, head_dim)).astype(np.float16)
-    out = np.empty_like(q)
     scale = 1 / math.sqrt(head_dim)
-    threads = numba.config.NUMBA_NUM_THREADS
-    scores = np.full((threads, heads_per_job, n_ctx), np.nan, np.float32)
-    row = np.full((threads, head_dim), np.nan, np.float32)
     if half_bits:
         k_cache, v_cache = k.view(np.uint16), v.view(np.uint16)
     else:
         k_cache, v_cache = k.astype(np.float32), v.astype(np.float32)
-    cap = np.float32(softcap)
-    no_sinks = np.zeros(0, np.float32)
-    sc = np.float32(scale)
-    args = (start, window, sc, cap, no_sinks, False, heads_per_job, scores, row, out, causal)
-    ops.attention(q, k_cache, v_cache, *args)
     k32, v32 = k.astype(np.float32), v.astype(np.float32)
+    args = (k_cache, v_cache, start, window, softcap)
+    out = _attention(q, *args, split=split, causal=causal)
     expected = _attention_ref(q, k32, v32, start, window, scale, softcap, causal)
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
     if softcap:  # and the cap changed the result
         assert np.abs(expected - _attention_ref(q, k32, v32, start, window, scale)).max() > 0.05
     # gpt-oss's sinks: one logit per head in each softmax (here around the scores' size)
     sinks = (4 + rng.standard_normal(n_heads) * 2).astype(np.float32)
-    args = (start, window, sc, cap, sinks, False, heads_per_job, scores, row, out, causal)
-    ops.attention(q, k_cache, v_cache, *args)
+    out = _attention(q, *args, sinks, split=split, causal=causal)
     with_sinks = _attention_ref(q, k32, v32, start, window, scale, softcap, causal, sinks)
     np.testing.assert_allclose(out, with_sinks, rtol=1e-4, atol=1e-5)
     assert np.abs(with_sinks - expected).max() > 0.05
+    # q and the probabilities rounded to half, as llama.cpp's products with an f16 cache round
+    # them (the probabilities by up to 2^-12 of themselves)
+    out = _attention(q, *args, split=split, causal=causal, f16=True)
+    q16 = q.astype(np.float16).astype(np.float32)
+    rounded = _attention_ref(q16, k32, v32, start, window, scale, softcap, causal)
+    np.testing.assert_allclose(out, rounded, rtol=1e-3, atol=1e-3)
+    assert not np.array_equal(out, _attention(q, *args, split=split, causal=causal))
 
 
-def test_heads_per_job_keeps_every_thread_busy():
-    assert ops.heads_per_job(1, 12, 2, 2) == 6  # decode: one job per K/V head
-    assert ops.heads_per_job(1, 12, 2, 4) == 3
-    assert ops.heads_per_job(1, 12, 2, 16) == 1
-    assert ops.heads_per_job(512, 12, 2, 16) == 6  # prefill: plenty of tokens
+@pytest.mark.parametrize("head_dim", [64, 40], ids=["vectors", "elements"])
+@pytest.mark.parametrize("window", [0, 300])
+def test_attention_over_chunks_is_one_result(head_dim, window):
+    """A long cache (several ops.KV_CHUNK chunks, their sums and outputs combined): the same bits
+    whether a row's chunks run as jobs of their own (decode) or one after the other (prefill), on
+    one thread or all, and for a sequence batched with others (attention_sequences) as alone;
+    and near the float64 reference."""
+    n_ctx, n_heads, n_kv, start, n = 3 * ops.KV_CHUNK + 40, 8, 2, 2 * ops.KV_CHUNK + 30, 5
+    q = rng.standard_normal((n, n_heads, head_dim)).astype(np.float32)
+    k = rng.standard_normal((n_ctx, n_kv, head_dim)).astype(np.float16)
+    v = rng.standard_normal((n_ctx, n_kv, head_dim)).astype(np.float16)
+    halves = (k.view(np.uint16), v.view(np.uint16), start, window)
+    alone = _attention(q, *halves, split=False, f16=True)
+    assert np.array_equal(_attention(q, *halves, split=True, f16=True), alone)
+    threads = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        assert np.array_equal(_attention(q, *halves, split=True, f16=True), alone)
+        assert np.array_equal(_attention(q, *halves, split=False, f16=True), alone)
+    finally:
+        numba.set_num_threads(threads)
+    q16 = q.astype(np.float16).astype(np.float32)
+    scale = 1 / math.sqrt(head_dim)
+    expected = _attention_ref(q16, k.astype(np.float32), v.astype(np.float32), start, window, scale)
+    np.testing.assert_allclose(alone, expected, rtol=1e-3, atol=1e-3)
+    # rows 0-1 of this sequence beside rows of another (a shorter one), then rows 2-4 alone
+    other = rng.standard_normal((3, n_heads, head_dim)).astype(np.float32)
+    scratch = _scratch(5, n_heads, n_kv, head_dim, n_ctx, window)
+    for split in (False, True):
+        rows = np.concatenate([other, q[:2]])
+        out = np.full_like(rows, np.nan)
+        ops.attention_sequences(
+            rows, (k.view(np.uint16)[:100], k.view(np.uint16)), (v.view(np.uint16)[:100],
+            v.view(np.uint16)), np.array([50, start]), np.array([0, 3, 5]), window,
+            np.float32(scale), np.float32(0.0), np.zeros(0, np.float32), True, True, split,
+            scratch, out,
+        )  # fmt: skip
+        assert np.array_equal(out[3:], alone[:2])
+    rest = _attention(q[2:], *halves[:2], start + 2, window, split=True, f16=True)
+    assert np.array_equal(rest, alone[2:])
+
+
+def test_split_jobs_for_few_rows():
+    assert ops.split_jobs(1, 2, 2)  # decode: 2 K/V heads would be 2 jobs
+    assert not ops.split_jobs(512, 2, 2)  # prefill: a job per row and K/V head
+    assert not ops.split_jobs(8, 8, 2)
 
 
 def test_activations():
