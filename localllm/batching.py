@@ -63,12 +63,20 @@ class Request:
         return self.greenlet.switch(logits)
 
 
-class Batcher:
-    """Collects the requests of the sequences of one engine; `step` runs them."""
+# Tokens per batched pass (decode tokens and prompt chunks together): a long new prompt holds
+# the running streams back by one pass of this many tokens per step. A sequence alone prefills
+# in the transformer's own chunks (Transformer.n_batch), which may be larger.
+STEP_TOKENS = 64
 
-    def __init__(self, engine_greenlet) -> None:
+
+class Batcher:
+    """Collects the requests of the sequences of one engine; `step` runs them, at most
+    `step_tokens` tokens per pass (and never more than a transformer's n_batch)."""
+
+    def __init__(self, engine_greenlet, step_tokens: int = STEP_TOKENS) -> None:
         self._engine = engine_greenlet  # where a waiting sequence switches to
         self.requests: list[Request] = []
+        self.step_tokens = step_tokens
 
     def forward(self, transformer, token_ids, start_pos, cache, interrupt) -> np.ndarray:
         """Called in a sequence's greenlet: wait for the step that runs these tokens, and
@@ -110,7 +118,7 @@ class Batcher:
                 n = min(request.remaining, transformer.n_batch - request.done % transformer.n_batch)
                 self._pass(transformer, [(request, n)], resumed)
             return
-        budget, taken = transformer.n_batch, []
+        budget, taken = min(transformer.n_batch, self.step_tokens), []
         # Decode tokens first, but never all of the budget while a prompt waits: half of it
         # stays for prompt chunks, so neither starves however many sequences run.
         prompt_tokens = sum(r.remaining for r in live if r.remaining > 1)

@@ -619,6 +619,14 @@ def serve(
     max_queue: int = typer.Option(
         32, "--max-queue", min=0, help="Requests that may wait beyond those; more get 503."
     ),
+    batch_size: int = typer.Option(
+        64,
+        "--batch-size",
+        "-b",
+        min=1,
+        help="Tokens per batched pass (decode tokens and prompt chunks): a long new prompt "
+        "holds running streams back by one such pass per step.",
+    ),
     cors_origin: list[str] | None = SERVE_CORS_ORIGINS,
     keep_alive: str = typer.Option(
         "5m",
@@ -651,6 +659,7 @@ def serve(
         device=device.value,
         parallel=parallel,
         max_queue=max_queue,
+        batch_size=batch_size,
         log_level="debug" if debug else "info",
         cors_origins=origins,
         keep_alive=keep,

@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import BaseRoute, Match
 
 from localllm import server_anthropic, server_ollama, server_openai
+from localllm.batching import STEP_TOKENS
 from localllm.errors import LocalLLMError
 from localllm.kv_cache import PrefixCache
 from localllm.models import DEFAULT_CTX, Model, load_model
@@ -581,13 +582,14 @@ def create_app(
     max_body: int = MAX_BODY_BYTES,
     cors_origins: list[str] | None = None,
     keep_alive: float = DEFAULT_KEEP_ALIVE,
+    batch_size: int = STEP_TOKENS,
 ) -> FastAPI:
     """The ASGI app. `models`: installed model names or .gguf paths (none: every installed
     model); `host`: the address it will be bound to (a loopback one turns on the Host and
     Origin checks); `cors_origins`: browser origins allowed to read responses (none: CORS off).
     Raises LocalLLMError for a model that is not there or an origin that is not one."""
     cors = CORSPolicy(cors_origins or [])
-    engine = Engine(parallel=parallel, max_queue=max_queue)
+    engine = Engine(parallel=parallel, max_queue=max_queue, step_tokens=batch_size)
     pool = ModelPool(list(models or []), engine, n_ctx, n_threads, device, keep_alive)
 
     @asynccontextmanager
@@ -655,6 +657,7 @@ def serve(
     log_level: str = "info",
     cors_origins: list[str] | None = None,
     keep_alive: float = DEFAULT_KEEP_ALIVE,
+    batch_size: int = STEP_TOKENS,
 ) -> None:
     """Serve the API until interrupted (blocking). Startup messages go to stderr."""
     import uvicorn
@@ -671,6 +674,7 @@ def serve(
         max_body,
         cors_origins,
         keep_alive,
+        batch_size,
     )
     sock = _listen(host, port)
     for warning in (exposure_warning(host, port, api_key), cors_warning(app.state.cors.origins)):

@@ -25,7 +25,7 @@ from typing import Any
 
 from greenlet import greenlet
 
-from localllm.batching import Batcher, Request
+from localllm.batching import STEP_TOKENS, Batcher, Request
 from localllm.generate import Cancelled
 
 _END = object()  # emitted after a sequence's last item
@@ -94,13 +94,16 @@ class Sequence:
 class Engine:
     """Runs sequences on one worker thread, `parallel` at a time, with `max_queue` more waiting."""
 
-    def __init__(self, parallel: int = 4, max_queue: int = 32) -> None:
+    def __init__(self, parallel: int = 4, max_queue: int = 32, step_tokens: int = STEP_TOKENS):
         if parallel < 1:
             raise ValueError(f"parallel must be at least 1, got {parallel}")
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if step_tokens < 1:
+            raise ValueError(f"step_tokens must be at least 1, got {step_tokens}")
         self.parallel = parallel
         self.max_queue = max_queue
+        self.step_tokens = step_tokens  # tokens per batched pass (batching.STEP_TOKENS)
         self._cond = threading.Condition()
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._waiting: deque[Sequence] = deque()
@@ -178,7 +181,7 @@ class Engine:
             self._waiting = deque(s for s in self._waiting if not s.cancelled)
 
     def _run(self) -> None:
-        self._batcher = Batcher(greenlet.getcurrent())
+        self._batcher = Batcher(greenlet.getcurrent(), self.step_tokens)
         while True:
             with self._cond:
                 while not (self._calls or self._waiting or self._active or self._stopping):

@@ -197,6 +197,32 @@ def test_batcher_keeps_room_for_prompts_and_rotates_decode_tokens():
         assert max(b - a for a, b in zip([-1, *waits], waits)) <= 3  # never left out for long
 
 
+def test_a_pass_holds_the_engines_step_tokens_below_the_models_chunk_size():
+    """A sequence alone prefills in the transformer's chunks (n_batch); batched passes take at
+    most the engine's step_tokens (serve --batch-size), however large n_batch is."""
+    from greenlet import getcurrent, greenlet
+
+    from localllm.batching import Batcher
+
+    model, batcher = _CountingModel(), Batcher(getcurrent(), step_tokens=3)
+    model.n_batch = 16
+
+    def sequence(name, n_tokens):
+        def run():
+            batcher.forward(model, np.zeros(n_tokens, np.int64), 0, name, None)
+
+        g = greenlet(run)
+        g.batcher, g.parked = batcher, None
+        return g
+
+    for g in (sequence("decode", 1), sequence("prompt", 11)):
+        g.switch()
+    while batcher.requests:
+        batcher.step()
+    assert all(sum(n for _, n in p) <= 3 for p in model.passes), model.passes
+    assert sum(dict(p).get("prompt", 0) for p in model.passes) == 11
+
+
 @pytest.mark.parametrize("name", ["gpt-oss", "gemma2", "qwen3moe"])
 def test_float_weights_take_turns_and_answer_as_alone(name, monkeypatch):
     """F16 weights run on the float kernels, whose sums depend on the tile a row is in: such a

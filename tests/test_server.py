@@ -26,7 +26,7 @@ import pytest
 from live_server import N_CTX, running_server
 from real_models import model_path
 
-from localllm.batching import Batcher
+from localllm.batching import STEP_TOKENS, Batcher
 from localllm.errors import LocalLLMError
 from localllm.generate import generate
 from localllm.models import load_model
@@ -534,14 +534,14 @@ def test_a_client_that_leaves_stops_a_long_prefill():
         run_chunk = transformer._forward_chunk
 
         def counted(token_ids, *args):
-            if len(token_ids) == transformer.n_batch:  # a chunk of the long prompt
+            if len(token_ids) == STEP_TOKENS:  # a chunk of the long prompt (one pass's worth)
                 long_chunks.append(1)
                 started.set()
             return run_chunk(token_ids, *args)
 
         transformer._forward_chunk = counted
         prompt = "the quick brown fox jumps over the lazy dog " * 200
-        n_chunks = len(model.tokenizer.encode(prompt)) // transformer.n_batch  # 28
+        n_chunks = len(model.tokenizer.encode(prompt)) // STEP_TOKENS  # 28
         body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 5, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60):
             assert started.wait(60)
