@@ -250,23 +250,24 @@ needs_tiles = pytest.mark.skipif(not gemm.AVAILABLE, reason="no vpdpbusd: no pre
 def test_prefill_tiles_equal_the_matvec_bit_for_bit(name):
     """gemm.py's tiles (tokens in the lanes) give every token exactly the matvec's result:
     rows not a multiple of ROWS, tokens not a multiple of the lanes (a pair of tile vectors and
-    a single one), two weights in one call."""
+    a single one), two weights in one call; and a batch of fewer tokens than the lanes (the
+    one-vector kernel of a few sequences' decode rows)."""
     ggml_type = TYPES[name]
     qt = get_quant_type(ggml_type)
     rng = np.random.default_rng(ggml_type + 1000)
     n_cols = 512 if qt.block_size == 256 else 352
     raws = tuple(read_only(random_weights(name, n, n_cols, rng)) for n in (9, 4))
-    n_tokens = 2 * gemm.LANES + 5
-    x = rng.standard_normal((n_tokens, n_cols)).astype(np.float32)
-    x[3] *= 50.0  # tokens of very different scales side by side
-    xq = intdot.activation_buffers(n_tokens, n_cols)
-    intdot.quantize_q8_tokens(x, Q8_BLOCK_SIZE[qt.vec_dot_type], *xq)
-    tiled = tuple(np.full((n_tokens, raw.shape[0]), np.nan, np.float32) for raw in raws)
-    qt.int_matmul(raws, *xq, tiled)
-    for raw, out in zip(raws, tiled):
-        alone = np.full((n_tokens, raw.shape[0]), np.nan, np.float32)
-        qt.int_matvec((raw,), *xq, (alone,))
-        np.testing.assert_array_equal(out, alone)
+    for n_tokens in (2 * gemm.LANES + 5, gemm.LANES - 3):
+        x = rng.standard_normal((n_tokens, n_cols)).astype(np.float32)
+        x[3] *= 50.0  # tokens of very different scales side by side
+        xq = intdot.activation_buffers(n_tokens, n_cols)
+        intdot.quantize_q8_tokens(x, Q8_BLOCK_SIZE[qt.vec_dot_type], *xq)
+        tiled = tuple(np.full((n_tokens, raw.shape[0]), np.nan, np.float32) for raw in raws)
+        qt.int_matmul(raws, *xq, tiled)
+        for raw, out in zip(raws, tiled):
+            alone = np.full((n_tokens, raw.shape[0]), np.nan, np.float32)
+            qt.int_matvec((raw,), *xq, (alone,))
+            np.testing.assert_array_equal(out, alone)
 
 
 @needs_tiles

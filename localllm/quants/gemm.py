@@ -435,7 +435,20 @@ def _tile(typingctx, ggml_type, n_vectors, scratch, tiles, k0, n_cols, out, t0, 
 
 def gemm_kernel(ggml_type: int, name: str):
     """The tiled integer matmul for a type whose record names a `dot_unpacker`: the same call as
-    intdot's matvec kernel, for any number of tokens."""
+    intdot's matvec kernel, for any number of tokens. A batch of at most LANES tokens (the
+    decode rows of a few sequences) takes tiles of one vector, any other TILE_VECTORS: two
+    kernels, since one holding both tile widths compiles the wide one into slower code."""
+    narrow = _gemm_kernel(ggml_type, name, 1)
+    wide = _gemm_kernel(ggml_type, name, TILE_VECTORS)
+
+    def gemm(ws, xq, xd, xs, xl, xb, outs):
+        (narrow if xq.shape[0] <= LANES else wide)(ws, xq, xd, xs, xl, xb, outs)
+
+    gemm.__qualname__ = f"gemm_{name}"
+    return gemm
+
+
+def _gemm_kernel(ggml_type: int, name: str, n_vectors: int):
     source_key = SOURCE_KEY
 
     def gemm(ws, xq, xd, xs, xl, xb, outs):
@@ -443,11 +456,10 @@ def gemm_kernel(ggml_type: int, name: str):
         matvec: the same arguments; xl is not used here)."""
         depends_on(source_key)
         n_tokens, n_cols = xq.shape
-        # whole tile calls of TILE_VECTORS tiles: the last one padded with tokens of zeros (one
-        # tile width compiled per type)
-        n_tiles = (n_tokens + LANES * TILE_VECTORS - 1) // (LANES * TILE_VECTORS) * TILE_VECTORS
+        # whole tile calls of n_vectors tiles: the last one padded with tokens of zeros
+        n_tiles = (n_tokens + LANES * n_vectors - 1) // (LANES * n_vectors) * n_vectors
         size = tile_bytes(n_cols)
-        per_block = max(MIN_TILES, TILE_BLOCK_BYTES // size // TILE_VECTORS * TILE_VECTORS)
+        per_block = max(MIN_TILES, TILE_BLOCK_BYTES // size // n_vectors * n_vectors)
         tiles = np.empty((min(per_block, n_tiles), size), np.uint8)
         scratch = np.empty((MAX_THREADS, scratch_bytes(n_cols)), np.uint8)
         bounds = np.empty(len(ws) + 1, np.int64)  # the row groups of ws[i]: bounds[i]..[i + 1]
@@ -467,10 +479,10 @@ def gemm_kernel(ggml_type: int, name: str):
                 own = scratch[get_thread_id()]
                 _unpack(ggml_type, w, r0, own)
                 n_rows = w.shape[0] - r0
-                for k in range(0, n_block, TILE_VECTORS):
+                for k in range(0, n_block, n_vectors):
                     t0 = (kb + k) * LANES
-                    _tile(ggml_type, TILE_VECTORS, own, tiles, k, n_cols, out, t0, n_tokens, r0,
+                    _tile(ggml_type, n_vectors, own, tiles, k, n_cols, out, t0, n_tokens, r0,
                           n_rows)  # fmt: skip
 
-    gemm.__qualname__ = f"gemm_{name}"
+    gemm.__qualname__ = f"gemm_{name}_{n_vectors}"
     return njit(parallel=True, cache=True)(gemm)
