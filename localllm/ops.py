@@ -11,7 +11,6 @@ logits stay close to llama.cpp's.
 from __future__ import annotations
 
 import math
-import platform
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +20,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from localllm.quants.activations import f16_bits, round_f16
-from localllm.quants.cpu import host_features
+from localllm.quants.cpu import HARDWARE_HALF
 from localllm.quants.float import _bits_to_f32, f16_to_f32
 
 
@@ -258,9 +257,9 @@ def expf(x):
     return j * _pow2(half) * _pow2(k - half)
 
 
-# Half to float in one instruction where the CPU has one (x86 F16C: every AVX2 CPU; ARMv8);
-# elsewhere LLVM would call a runtime helper Numba cannot link, so the bit-exact integer version.
-HARDWARE_HALF = "f16c" in host_features() or platform.machine().lower() in ("aarch64", "arm64")
+# HARDWARE_HALF (quants/cpu.py): half <-> float in one instruction where the compile target and
+# the CPU both have one (x86 F16C, ARMv8); elsewhere LLVM would call a runtime helper Numba
+# cannot link (__extendhfsf2), so the bit-exact integer version.
 
 
 @intrinsic

@@ -185,6 +185,19 @@ def test_no_simd_falls_back_to_float_kernels(tmp_path):
     assert run_for_target(None, tmp_path, "-c", code).split() == ["None", "False"]
 
 
+@pytest.mark.slow  # compiles every kernel a model needs afresh
+def test_no_simd_runs_the_models_as_llama_cpp(tmp_path):
+    """The portable path (what an ARM laptop or a CPU without AVX runs: the float kernels, the
+    attention's LLVM IR on generic vectors, halves converted in integers without F16C) compiled
+    for a target without AVX or F16C: the three real models' teacher-forced logits and top-1
+    against llama.cpp, as test_model checks them natively."""
+    tests = str(Path(__file__).parent / "test_model.py")
+    select = "teacher_forced"
+    out = run_for_target(None, tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider", tests,
+                         "-k", select)  # fmt: skip
+    assert "3 passed" in out and "skipped" not in out, out[-2000:]
+
+
 ZEN4 = {"avx2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vnni"}  # no AVX-VNNI
 
 
