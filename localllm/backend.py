@@ -204,8 +204,12 @@ class CPUBackend:
         # -t N runs on exactly N threads; the default measures how many help (see threads.py)
         tune = n_threads is None
         self.thread_tuner = ThreadTuner(self.n_threads, numba.set_num_threads, tune=tune)
-        self._rounded: dict[tuple, np.ndarray] = {}  # rounded activations by (kind, shape)
-        self._quantized: dict[tuple, tuple] = {}  # int8 activations by (super block, n_cols)
+        # Activation buffers, made for the most tokens seen so far and lent as views of their
+        # first rows, so that a server's batches of every size share one set (keyed by token
+        # count, they grew with each new size): rounded ones by (kind, n_cols), int8 ones by
+        # (super block, n_cols).
+        self._rounded: dict[tuple, np.ndarray] = {}
+        self._quantized: dict[tuple, tuple] = {}
         # attention scratch: ((group, head_dim), ops.attention_scratch(...))
         self._attention: tuple | None = None
         # on an x86 CPU with AVX2 or VNNI: ggml's integer dot products (quants/intdot.py), for a
@@ -288,10 +292,11 @@ class CPUBackend:
             kind = w.qtype.vec_dot_type if self.llama_cpp_rounding else "none"
             xr = rounded.get(kind)
             if xr is None:
-                buffer = self._rounded.get((kind, x.shape))
-                if buffer is None:
-                    buffer = self._rounded[(kind, x.shape)] = np.empty(x.shape, np.float32)
-                xr = rounded[kind] = round_activations(x, kind, buffer)
+                key = (kind, x.shape[1])
+                buffer = self._rounded.get(key)
+                if buffer is None or buffer.shape[0] < x.shape[0]:
+                    buffer = self._rounded[key] = np.empty(x.shape, np.float32)
+                xr = rounded[kind] = round_activations(x, kind, buffer[: x.shape[0]])
             if x.shape[0] == 1:
                 w.qtype.matvec(w.raw, xr[0], out[0])
             else:
@@ -314,10 +319,11 @@ class CPUBackend:
             super_block = Q8_BLOCK_SIZE[qt.vec_dot_type]
             xq = quantized.get(super_block)
             if xq is None:
-                key = (super_block, n_tokens, n_cols)
-                xq = self._quantized.get(key)
-                if xq is None:
-                    xq = self._quantized[key] = intdot.activation_buffers(n_tokens, n_cols)
+                key = (super_block, n_cols)
+                held = self._quantized.get(key)
+                if held is None or held[0].shape[0] < n_tokens:
+                    held = self._quantized[key] = intdot.activation_buffers(n_tokens, n_cols)
+                xq = tuple(a[:n_tokens] for a in held)
                 if n_tokens < 16:  # microseconds: not worth waking the threads (a batch's
                     # decode rows; under load a parallel launch cost ~1 ms)
                     intdot.quantize_q8(x, super_block, *xq)
