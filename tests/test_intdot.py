@@ -68,8 +68,8 @@ def test_quantize_q8_equals_round_activations():
 def test_matvec_matches_reference(name, n_rows):
     ggml_type = TYPES[name]
     rng = np.random.default_rng(n_rows * 100 + ggml_type)
-    # 32-weight blocks: 11 = a group of 8 (intdot.GROUP) and 3 more
-    n_cols = 512 if get_quant_type(ggml_type).block_size == 256 else 352
+    # 32-weight blocks: 15 = a group of 8 (intdot.GROUP), then 4, 2 and 1
+    n_cols = 512 if get_quant_type(ggml_type).block_size == 256 else 480
     raw = read_only(random_weights(name, n_rows, n_cols, rng))
     x = rng.standard_normal((1, n_cols)).astype(np.float32)
     xq = quantized(x, ggml_type)
@@ -268,7 +268,7 @@ def test_prefill_tiles_equal_the_matvec_bit_for_bit(name):
     ggml_type = TYPES[name]
     qt = get_quant_type(ggml_type)
     rng = np.random.default_rng(ggml_type + 1000)
-    n_cols = 512 if qt.block_size == 256 else 352
+    n_cols = 512 if qt.block_size == 256 else 480
     raws = tuple(read_only(random_weights(name, n, n_cols, rng)) for n in (9, 4))
     for n_tokens in (2 * gemm.LANES + 5, gemm.LANES - 3):
         x = rng.standard_normal((n_tokens, n_cols)).astype(np.float32)

@@ -177,9 +177,13 @@ class _Emitter(BlockReader):
         """The float steps of the waiting 32-weight blocks, in order: 8 of them summed by one
         transposing add, fewer (a row's last) one by one."""
         pending, self.pending[row] = self.pending[row], []
-        if len(pending) == 8:
-            sums = self._sums_of_8([lanes for lanes, _ in pending])
-            totals = [self.b.extract_element(sums, ir.Constant(I32, k)) for k in range(8)]
+        if len(pending) >= 4:  # a short group padded with zeros
+            vectors = [lanes for lanes, _ in pending]
+            vectors += [ir.Constant(V8I32, None)] * (8 - len(vectors))
+            sums = self._sums_of_8(vectors)
+            totals = [
+                self.b.extract_element(sums, ir.Constant(I32, k)) for k in range(len(pending))
+            ]
         else:
             totals = [reduce_add(self, lanes) for lanes, _ in pending]
         for total, (_, end) in zip(totals, pending):
@@ -317,11 +321,20 @@ def _rows_typer(type_size, chunks_per_block, read_block, n_rows, n_tokens):
             n_groups = builder.udiv(n_blocks, ir.Constant(I64, group))
             with cgutils.for_range(builder, n_groups) as loop:
                 blocks(builder.mul(loop.index, ir.Constant(I64, group)), group)
-            if group > 1:  # the blocks after the last whole group
-                start = builder.mul(n_groups, ir.Constant(I64, group))
-                one = ir.Constant(I64, 1)
-                with cgutils.for_range_slice(builder, start, n_blocks, one) as (index, _):
-                    blocks(index, 1)
+            if group > 1:  # the blocks after the last whole group: 4, 2, 1 as the count has
+                # them, each few added up together (one block at a time cost 2.2 grouped ones)
+                start = cgutils.alloca_once_value(
+                    builder, builder.mul(n_groups, ir.Constant(I64, group))
+                )
+                rest = builder.urem(n_blocks, ir.Constant(I64, group))
+                size = group // 2
+                while size >= 1:
+                    bit = builder.and_(rest, ir.Constant(I64, size))
+                    with builder.if_then(builder.icmp_unsigned("!=", bit, ir.Constant(I64, 0))):
+                        first = builder.load(start)
+                        blocks(first, size)
+                        builder.store(builder.add(first, ir.Constant(I64, size)), start)
+                    size //= 2
             for tok, em in enumerate(emitters):
                 out_row = token_row(8, tok)
                 for i in range(n_rows):
