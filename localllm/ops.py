@@ -792,15 +792,22 @@ def _chunk_job(job, start_pos, n_keys, causal, window, n_kv_heads):
         t += 1
 
 
+@njit(cache=True, inline="always")
+def _row_position(t, seq, starts, first_rows):
+    """(sequence, position) of row t of a batch of sequences (rows first_rows[s].. are sequence
+    s's, from position starts[s]), searching from sequence `seq` on: rows come in order."""
+    while t >= first_rows[seq + 1]:
+        seq += 1
+    return seq, starts[seq] + t - first_rows[seq]
+
+
 @njit(cache=True)
 def _sequence_chunk_job(job, starts, first_rows, window, n_kv_heads):
     """`_chunk_job` for `attention_sequences`: (row t, its sequence, its position, chunk, K/V
     head, the slot of the row's first chunk for that head)."""
     t, seq, first = 0, 0, 0
     while True:
-        while t >= first_rows[seq + 1]:
-            seq += 1
-        pos = starts[seq] + t - first_rows[seq]
+        seq, pos = _row_position(t, seq, starts, first_rows)
         n = _n_chunks(pos, window) * n_kv_heads
         if job < first + n:
             c, kv = (job - first) // n_kv_heads, (job - first) % n_kv_heads
@@ -897,10 +904,7 @@ def attention_sequences(
     if not split:
         for job in prange(n_rows * n_kv_heads):
             t, kv = job // n_kv_heads, job % n_kv_heads
-            seq = 0
-            while t >= first_rows[seq + 1]:
-                seq += 1
-            pos = starts[seq] + t - first_rows[seq]
+            seq, pos = _row_position(t, 0, starts, first_rows)
             _attend_row(
                 q, t, kv, k_caches[seq], v_caches[seq], pos, window, scale, softcap, sinks,
                 round_q, f16_probs, scratch, out,
@@ -909,9 +913,8 @@ def attention_sequences(
     s, stats, norm, acc, qh, x = scratch
     n_jobs, seq = 0, 0
     for t in range(n_rows):
-        while t >= first_rows[seq + 1]:
-            seq += 1
-        n_jobs += _n_chunks(starts[seq] + t - first_rows[seq], window) * n_kv_heads
+        seq, pos = _row_position(t, seq, starts, first_rows)
+        n_jobs += _n_chunks(pos, window) * n_kv_heads
     for job in prange(n_jobs):
         t, seq, pos, c, kv, _ = _sequence_chunk_job(
             np.int64(job), starts, first_rows, window, n_kv_heads
@@ -923,9 +926,8 @@ def attention_sequences(
         )  # fmt: skip
     slot, seq = 0, 0
     for t in range(n_rows):
-        while t >= first_rows[seq + 1]:
-            seq += 1
-        n = _n_chunks(starts[seq] + t - first_rows[seq], window)
+        seq, pos = _row_position(t, seq, starts, first_rows)
+        n = _n_chunks(pos, window)
         for kv in range(n_kv_heads):
             _row_norm(stats, slot + kv, n, n_kv_heads, sinks, kv * s.shape[1], norm[slot + kv])
         slot += n * n_kv_heads
@@ -939,9 +941,8 @@ def attention_sequences(
         )  # fmt: skip
     slot, seq = 0, 0
     for t in range(n_rows):
-        while t >= first_rows[seq + 1]:
-            seq += 1
-        n = _n_chunks(starts[seq] + t - first_rows[seq], window)
+        seq, pos = _row_position(t, seq, starts, first_rows)
+        n = _n_chunks(pos, window)
         for kv in range(n_kv_heads):
             _row_output(acc, slot + kv, n, n_kv_heads, t, kv, out)
         slot += n * n_kv_heads
