@@ -627,24 +627,6 @@ def _head_rows(cache, j0, n, last, kv, x):
     convert_rows(cache, j0, n, kv, x)
 
 
-@intrinsic
-def _round_half(typingctx, x):
-    """float32 x rounded to the nearest IEEE half (ties to even) and back (vcvtps2ph)."""
-    if x == types.float32:
-
-        def codegen(context, builder, signature, args):
-            return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
-
-        return types.float32(x), codegen
-    return None
-
-
-@njit(cache=True, inline="always")
-def _half(x):
-    """float32 x as the nearest IEEE half, as float32."""
-    return _round_half(x) if HARDWARE_HALF else round_f16(x)
-
-
 @njit(cache=True, inline="always")
 def _first_key(pos, window):
     """The first key the token at position pos sees (window: 0, or the sliding window)."""
@@ -671,7 +653,7 @@ def _chunk_scores(
     hi = min((chunk + 1) * KV_CHUNK, pos + 1)
     for g in range(group):
         for d in range(head_dim):  # q in half where K is (llama.cpp's f16 K * Q product)
-            qh[g, d] = _half(q[t, h0 + g, d]) if round_q else q[t, h0 + g, d]
+            qh[g, d] = round_f16(q[t, h0 + g, d]) if round_q else q[t, h0 + g, d]
     for j0 in range(lo, hi, KV_BLOCK):
         n = min(KV_BLOCK, hi - j0)
         _head_rows(k_cache, j0, n, hi - 1, kv, x)
@@ -729,7 +711,7 @@ def _chunk_values(kv, v_cache, pos, chunk, window, stats, norm, f16_probs, s, x,
         factor = expf(np.float32(stats[g, 0]) - norm[g, 0]) * norm[g, 1]
         for i in range(hi - lo):
             p = s[g, i] * factor
-            s[g, i] = _half(p) if f16_probs else p
+            s[g, i] = round_f16(p) if f16_probs else p
         for d in range(width):
             acc[g, d] = 0.0
     for j0 in range(lo, hi, KV_BLOCK):
