@@ -48,7 +48,7 @@ from .blocks import (
     splat,
 )
 from .cpu import TILE_LANES
-from .intdot import float_steps, reduce_add
+from .intdot import float_steps, group_at, reduce_add, row_groups
 from .kernels import SOURCE_KEY, depends_on
 
 AVAILABLE = TILE_LANES > 0
@@ -462,20 +462,14 @@ def _gemm_kernel(ggml_type: int, name: str, n_vectors: int):
         per_block = max(MIN_TILES, TILE_BLOCK_BYTES // size // n_vectors * n_vectors)
         tiles = np.empty((min(per_block, n_tiles), size), np.uint8)
         scratch = np.empty((MAX_THREADS, scratch_bytes(n_cols)), np.uint8)
-        bounds = np.empty(len(ws) + 1, np.int64)  # the row groups of ws[i]: bounds[i]..[i + 1]
-        bounds[0] = 0
-        for i in range(len(ws)):
-            bounds[i + 1] = bounds[i] + (ws[i].shape[0] + ROWS - 1) // ROWS
+        bounds = row_groups(ws, ROWS)
         for kb in range(0, n_tiles, per_block):
             n_block = min(per_block, n_tiles - kb)
             for k in prange(n_block):
                 _pack_tile(xq, xd, xs, xb, (kb + k) * LANES, tiles[k])
             for g in prange(bounds[len(ws)]):
-                i = 0
-                while g >= bounds[i + 1]:
-                    i += 1
+                i, r0 = group_at(bounds, g, ROWS)
                 w, out = ws[i], outs[i]
-                r0 = (g - bounds[i]) * ROWS
                 own = scratch[get_thread_id()]
                 _unpack(ggml_type, w, r0, own)
                 n_rows = w.shape[0] - r0

@@ -437,6 +437,26 @@ WIDE_TILE = 4
 ACTIVATION_BLOCK_BYTES = 256 << 10
 
 
+@njit(cache=True, inline="always")
+def row_groups(ws, rows):
+    """int64[len(ws) + 1]: the groups of `rows` rows of ws[i] (its last one maybe short) are
+    bounds[i] .. bounds[i + 1] - 1, numbered through all of ws (one parallel loop over them)."""
+    bounds = np.empty(len(ws) + 1, np.int64)
+    bounds[0] = 0
+    for i in range(len(ws)):
+        bounds[i + 1] = bounds[i] + (ws[i].shape[0] + rows - 1) // rows
+    return bounds
+
+
+@njit(cache=True, inline="always")
+def group_at(bounds, g, rows):
+    """(i, r0): row group g (see row_groups) is ws[i]'s rows r0 .. r0 + rows - 1."""
+    i = 0
+    while g >= bounds[i + 1]:
+        i += 1
+    return i, (g - bounds[i]) * rows
+
+
 def matvec_kernel(ggml_type: int, name: str):
     """The integer matvec/matmul for a type whose record names a `dot_unpacker` (see _rows)."""
     source_key = SOURCE_KEY
@@ -448,21 +468,15 @@ def matvec_kernel(ggml_type: int, name: str):
         float32[n_tokens, n_rows_i]."""
         depends_on(source_key)  # the record read at compile time lives in another file
         n_tokens, n_cols = xq.shape
-        bounds = np.empty(len(ws) + 1, np.int64)  # the row groups of ws[i]: bounds[i]..[i + 1]
-        bounds[0] = 0
-        for i in range(len(ws)):
-            bounds[i + 1] = bounds[i] + (ws[i].shape[0] + ROWS - 1) // ROWS
+        bounds = row_groups(ws, ROWS)
         per_block = max(TILE_TOKENS, ACTIVATION_BLOCK_BYTES // n_cols // TILE_TOKENS * TILE_TOKENS)
         for b0 in range(0, n_tokens, per_block):
             b1 = min(n_tokens, b0 + per_block)
             tiled4 = b0 + (b1 - b0) // WIDE_TILE * WIDE_TILE
             tiled = tiled4 + (b1 - tiled4) // TILE_TOKENS * TILE_TOKENS
             for g in prange(bounds[len(ws)]):
-                i = 0
-                while g >= bounds[i + 1]:
-                    i += 1
+                i, r0 = group_at(bounds, g, ROWS)
                 w, out = ws[i], outs[i]
-                r0 = (g - bounds[i]) * ROWS
                 for t0 in range(b0, tiled4, WIDE_TILE):
                     _rows(ggml_type, ROWS, WIDE_TILE, w, r0, t0, xq, xd, xs, xl, xb, out)
                 for t0 in range(tiled4, tiled, TILE_TOKENS):
