@@ -17,6 +17,7 @@ import numpy as np
 from localllm import ops, quants
 from localllm.errors import LocalLLMError
 from localllm.gguf import TensorInfo
+from localllm.kv_cache import PAGE_TOKENS, page_spans
 from localllm.quants import QuantType, intdot
 from localllm.quants.activations import Q8_BLOCK_SIZE, round_activations
 from localllm.threads import ThreadTuner, physical_cores
@@ -64,16 +65,24 @@ class Backend(Protocol):
         ...
 
     def kv_zeros(self, shape: tuple[int, ...]) -> Array:
-        """Zeros for one of the KV cache's K/V arrays, in the element type `write_kv` stores and
+        """Zeros for one of a KVPool's K/V arrays, in the element type `write_kv` stores and
         `attention` reads (f16 bits on the CPU)."""
+        ...
+
+    def kv_page_tokens(self, n_ctx: int) -> int:
+        """Positions per page of the KV pool for sequences of n_ctx positions."""
         ...
 
     def to_host(self, x: Array) -> np.ndarray:
         """A host float32 copy of x (the logits)."""
         ...
 
-    def write_kv(self, k_cache: Array, v_cache: Array, start_pos: int, k: Array, v: Array) -> None:
-        """Store k, v: float32[n_tokens, n_kv_heads, head_dim] at start_pos of one layer."""
+    def write_kv(
+        self, k_pool: Array, v_pool: Array, pages: np.ndarray, start_pos: int, k: Array, v: Array
+    ) -> None:
+        """Store k, v: float32[n_tokens, n_kv_heads, head_dim] at positions start_pos.. of one
+        layer of a KVPool (k_pool, v_pool: [n_pages, page_tokens, n_kv_heads, head_dim]) through
+        a sequence's page table."""
         ...
 
     def linear(self, x: Array, w: Any, out: Array) -> Array:
@@ -133,11 +142,13 @@ class Backend(Protocol):
         ...
 
     def attention_sequences(
-        self, q: Array, caches: list, window: int, scale: float, softcap: float, out: Array,
+        self, q: Array, k_pool: Array, v_pool: Array, tables: np.ndarray, starts: np.ndarray,
+        first_rows: np.ndarray, window: int, scale: float, softcap: float, out: Array,
         sinks: Array | None = None,
     ) -> Array:  # fmt: skip
-        """`attention` for the rows of several sequences (a batched step): caches holds
-        (k_cache, v_cache, start_pos, first_row, n_rows) of each, its rows in q in order."""
+        """`attention` for the rows of several sequences (a batched step) over one layer of a
+        KVPool: rows first_rows[s]..first_rows[s + 1] - 1 of q are sequence s's tokens at
+        positions starts[s].., its pages tables[s] (int32[n_seqs, pages], see ops.attention)."""
         ...
 
     def add_bias(self, x: Array, bias: Array) -> None: ...
@@ -253,19 +264,22 @@ class CPUBackend:
         llama_cpp_rounding, float32."""
         return np.zeros(shape, dtype=np.uint16 if self.llama_cpp_rounding else np.float32)
 
+    def kv_page_tokens(self, n_ctx: int) -> int:
+        return PAGE_TOKENS
+
     def to_host(self, x: np.ndarray) -> np.ndarray:
         """A host copy of x, e.g. the logits."""
         return np.array(x, dtype=np.float32)
 
-    def write_kv(self, k_cache, v_cache, start_pos: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Store k, v: float32[n_tokens, n_kv_heads, head_dim] at start_pos in one layer's cache,
-        as half bits (rounded to nearest even, as ggml converts to its f16 cache) in a uint16
-        cache, as they are in a float32 one."""
-        n = k.shape[0]
-        if k_cache.dtype == np.uint16:
+    def write_kv(self, k_pool, v_pool, pages, start_pos: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store k, v: float32[n_tokens, n_kv_heads, head_dim] at start_pos.. through the page
+        table, as half bits (rounded to nearest even, as ggml converts to its f16 cache) in a
+        uint16 pool, as they are in a float32 one."""
+        if k_pool.dtype == np.uint16:
             k, v = k.astype(np.float16).view(np.uint16), v.astype(np.float16).view(np.uint16)
-        k_cache[start_pos : start_pos + n] = k
-        v_cache[start_pos : start_pos + n] = v
+        for page, row, first, n in page_spans(pages, k_pool.shape[1], start_pos, k.shape[0]):
+            k_pool[page, row : row + n] = k[first : first + n]
+            v_pool[page, row : row + n] = v[first : first + n]
 
     # -- ops --------------------------------------------------------------------------------
 
@@ -372,45 +386,48 @@ class CPUBackend:
     def attention(
         self, q, k_cache, v_cache, start_pos, window, scale, softcap, out, sinks=None, causal=True
     ) -> np.ndarray:
-        """With an f16 KV cache (llama_cpp_rounding), q and the softmax probabilities are rounded
-        to half, as llama.cpp's matrix products with its f16 KV cache round them; float32 K and
-        V (an encoder's, or the exact mode's cache) round nothing, as llama.cpp's products with
-        float32 K and V do not. sinks: None, or float32[n_heads] sink logits (gpt-oss)."""
-        f16 = self.llama_cpp_rounding and k_cache.dtype == np.uint16
-        split, scratch = self._attention_scratch(q.shape, k_cache.shape, window)
+        """Attention of one sequence over k_cache, v_cache: [n_keys, n_kv_heads, head_dim], its
+        positions 0.. as one page (an encoder's K and V, a test's cache)."""
+        starts = np.array([start_pos], np.int64)
+        rows = np.array([0, q.shape[0]], np.int64)
+        return self._attention_pages(
+            q, k_cache[None], v_cache[None], _ONE_PAGE, starts, rows, window, scale, softcap,
+            out, sinks, causal,
+        )  # fmt: skip
+
+    def attention_sequences(
+        self, q, k_pool, v_pool, tables, starts, first_rows, window, scale, softcap, out,
+        sinks=None,
+    ):  # fmt: skip
+        """One parallel region for every sequence's rows (ops.attention), causal."""
+        return self._attention_pages(
+            q, k_pool, v_pool, tables, starts, first_rows, window, scale, softcap, out, sinks,
+            True,
+        )  # fmt: skip
+
+    def _attention_pages(
+        self, q, k_pool, v_pool, tables, starts, first_rows, window, scale, softcap, out, sinks,
+        causal,
+    ):  # fmt: skip
+        """ops.attention, its scratch made once per model. With an f16 KV cache
+        (llama_cpp_rounding), q and the softmax probabilities are rounded to half, as llama.cpp's
+        matrix products with its f16 KV cache round them; float32 K and V (an encoder's, or the
+        exact mode's cache) round nothing, as llama.cpp's products with float32 K and V do not.
+        sinks: None, or float32[n_heads] sink logits (gpt-oss)."""
+        f16 = self.llama_cpp_rounding and k_pool.dtype == np.uint16
+        n_keys = tables.shape[1] * k_pool.shape[1]
+        split, scratch = self._attention_scratch(q.shape, n_keys, k_pool.shape[2], window)
         ops.attention(
-            q, k_cache, v_cache, start_pos, window, np.float32(scale), np.float32(softcap),
-            _NO_SINKS if sinks is None else sinks, f16, f16, split, scratch, out, bool(causal),
+            q, k_pool, v_pool, tables, starts, first_rows, window, np.float32(scale),
+            np.float32(softcap), _NO_SINKS if sinks is None else sinks, f16, f16, split, scratch,
+            out, bool(causal),
         )  # fmt: skip
         return out
 
-    def attention_sequences(self, q, caches, window, scale, softcap, out, sinks=None):
-        """One parallel region for every sequence's rows (each row as `attention` computes
-        it): a batch of decode rows would otherwise wake the threads once per sequence."""
-        if len(caches) == 1:
-            k, v, start, first, n = caches[0]
-            return self.attention(
-                q[first : first + n], k, v, start, window, scale, softcap, out[first : first + n],
-                sinks,
-            )  # fmt: skip
-        k0 = caches[0][0]
-        f16 = self.llama_cpp_rounding and k0.dtype == np.uint16
-        n_ctx = max(k.shape[0] for k, *_ in caches)
-        split, scratch = self._attention_scratch(q.shape, (n_ctx, *k0.shape[1:]), window)
-        starts = np.array([c[2] for c in caches], np.int64)
-        first_rows = np.array([c[3] for c in caches] + [caches[-1][3] + caches[-1][4]], np.int64)
-        ops.attention_sequences(
-            q, tuple(c[0] for c in caches), tuple(c[1] for c in caches), starts, first_rows,
-            window, np.float32(scale), np.float32(softcap), _NO_SINKS if sinks is None else sinks,
-            f16, f16, split, scratch, out,
-        )  # fmt: skip
-        return out
-
-    def _attention_scratch(self, q_shape: tuple, cache_shape: tuple, window: int) -> tuple:
+    def _attention_scratch(self, q_shape: tuple, n_ctx: int, n_kv_heads: int, window: int):
         """(split, scratch) for an attention call (see ops.attention): the scratch is made once
         per model, and again only when a call needs more slots (a longer context)."""
         n_rows, n_heads, head_dim = q_shape
-        n_ctx, n_kv_heads, _ = cache_shape
         threads = numba.config.NUMBA_NUM_THREADS
         split = ops.split_jobs(n_rows, n_kv_heads, numba.get_num_threads())
         slots = ops.attention_slots(n_rows if split else 0, n_kv_heads, n_ctx, window, threads)
@@ -460,6 +477,7 @@ class CPUBackend:
 
 DEVICES = ("auto", "cpu", "cuda")
 _NO_SINKS = np.zeros(0, np.float32)  # attention without sink logits
+_ONE_PAGE = np.zeros((1, 1), np.int32)  # the page table of K and V given whole
 
 
 def make_backend(device: str = "auto", n_threads: int | None = None) -> Backend:

@@ -12,13 +12,18 @@ That needs a row's result not to depend on the rows beside it, which the integer
 each, chunks cut where `forward` cuts them.
 
 A prompt longer than the batch is fed in chunks, decode tokens first: a long new prompt holds
-the running streams back by at most one chunk per step (chunked prefill). Everything stays on
-one thread, as the Transformer's scratch buffers and Numba's threading layer require;
-greenlets only switch where a sequence waits for the model.
+the running streams back by at most one chunk per step (chunked prefill). Tokens take pages of
+the model's KV pool as they run; when a hard pool (the server's) has none left, the newest
+sequence waits, or, where an older one needs the page, gives its pages back and later runs
+its tokens again (preemption by recompute, as vLLM), so the oldest always advances.
+
+Everything stays on one thread, as the Transformer's scratch buffers and Numba's threading
+layer require; greenlets only switch where a sequence waits for the model.
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from greenlet import getcurrent
 
-from localllm.kv_cache import KVCache
+from localllm.kv_cache import KVCache, PoolFull
 
 
 def current() -> Batcher | None:
@@ -48,7 +53,24 @@ class Request:
     interrupt: Callable[[], None] | None
     greenlet: object  # the sequence's, parked in `Batcher.forward` until resumed
     done: int = 0  # tokens run so far
-    order: int = field(default_factory=lambda: next(_arrivals))
+    order: int = field(default_factory=lambda: next(_arrivals))  # this call's: turns rotate
+    age: int = 0  # when its sequence first called: the older keeps the KV pool's pages
+    preempted: bool = False  # its pages were taken back: all its tokens run again
+
+    def preempt(self) -> None:
+        """Give the cache's pages back (they stay in the prefix cache) and make the request
+        run every token the cache held, then the rest of its own: recomputed, as vLLM does,
+        from as many cached pages as are still there when it runs again."""
+        cache = self.cache
+        ids = cache.tokens[: self.start_pos + self.done] + self.token_ids[self.done :].tolist()
+        cache.release()
+        self.token_ids = np.asarray(ids, np.int64)
+        self.start_pos, self.done, self.preempted = 0, 0, True
+
+    def restart(self) -> None:
+        """A preempted request about to run: start from the cached pages of its tokens."""
+        self.done = self.cache.adopt(self.token_ids.tolist())
+        self.preempted = False
 
     @property
     def remaining(self) -> int:
@@ -68,6 +90,11 @@ class Request:
 # in the transformer's own chunks (Transformer.n_batch), which may be larger.
 STEP_TOKENS = 64
 
+# Steps in a row with requests waiting for KV pages and none running, after which the oldest
+# is told the pool is full (only a pool smaller than a context, or caches held but unused).
+STALLED_STEPS = 100
+POOL_FULL = "the KV cache has no room for this request; retry later, or use a larger --kv-size"
+
 
 class Batcher:
     """Collects the requests of the sequences of one engine; `step` runs them, at most
@@ -77,12 +104,16 @@ class Batcher:
         self._engine = engine_greenlet  # where a waiting sequence switches to
         self.requests: list[Request] = []
         self.step_tokens = step_tokens
+        self._stalled = 0  # steps in a row that ran nothing for want of KV pages
 
     def forward(self, transformer, token_ids, start_pos, cache, interrupt) -> np.ndarray:
         """Called in a sequence's greenlet: wait for the step that runs these tokens, and
         return the logits after the last one (or raise what stopped it)."""
         me = getcurrent()
         request = Request(transformer, token_ids, start_pos, cache, interrupt, me)
+        if getattr(me, "age", None) is None:
+            me.age = request.order
+        request.age = me.age
         me.parked = request
         self.requests.append(request)
         return self._engine.switch(request)
@@ -110,13 +141,15 @@ class Batcher:
             except BaseException as e:  # Cancelled: the sequence stops where it waits
                 resumed.append((request, request.resume(error=e)))
             else:
+                if request.preempted:
+                    request.restart()
                 live.append(request)
         if not getattr(transformer, "batches_exactly", True):
             # rows whose results depend on the rows beside them (float kernels): each sequence
             # runs alone, a chunk per step, cut where `forward` cuts it
             for request in sorted(live, key=lambda r: r.order):
                 n = min(request.remaining, transformer.n_batch - request.done % transformer.n_batch)
-                self._pass(transformer, [(request, n)], resumed)
+                self._pass(transformer, self._with_pages([(request, n)], live, resumed), resumed)
             return
         budget, taken = min(transformer.n_batch, self.step_tokens), []
         # Decode tokens first, but never all of the budget while a prompt waits: half of it
@@ -133,11 +166,53 @@ class Batcher:
                 continue
             taken.append((request, n))
             budget -= n
+        taken = self._with_pages(taken, live, resumed)
         if taken:
             self._pass(transformer, taken, resumed)
 
+    def _with_pages(self, taken: list[tuple[Request, int]], live: list, resumed: list) -> list:
+        """taken, less what the KV pool has no pages for now, oldest first served: a request
+        that finds the pool full takes the pages of the newest request waiting after it (which
+        will run its tokens again), or, being the newest, waits for the next step."""
+        ready: list[tuple[Request, int]] = []
+        waiting: list[Request] = []
+        for request, n in sorted(taken, key=lambda item: item[0].age):
+            if request.preempted:
+                self.requests.append(request)  # taken back by an older one this step
+                continue
+            start = request.start_pos + request.done
+            while True:
+                try:
+                    request.cache.trim(start)
+                    request.cache.prepare(start, n)
+                except PoolFull:
+                    newer = [
+                        r for r in live
+                        if r.age > request.age and not r.preempted and r.cache.n_pages
+                    ]  # fmt: skip
+                    if newer:
+                        max(newer, key=lambda r: r.age).preempt()
+                        continue
+                    waiting.append(request)  # the newest: waits for pages
+                else:
+                    ready.append((request, n))
+                break
+        self._stalled = 0 if ready or not waiting else self._stalled + 1
+        if self._stalled > STALLED_STEPS:
+            # Nothing runs and nothing will: the pages are held by caches no sequence uses
+            # (dropped but not yet collected), or a context is larger than the pool.
+            gc.collect()
+            oldest = min(waiting, key=lambda r: r.age)
+            waiting.remove(oldest)
+            resumed.append((oldest, oldest.resume(error=PoolFull(POOL_FULL))))
+            self._stalled = 0
+        self.requests += waiting
+        return ready
+
     def _pass(self, transformer, taken: list[tuple[Request, int]], resumed: list) -> None:
         """One forward pass for the next n tokens of each request."""
+        if not taken:
+            return
         parts = []
         for request, n in taken:
             ids = request.token_ids[request.done : request.done + n]

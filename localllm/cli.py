@@ -613,8 +613,7 @@ def serve(
         4,
         "--parallel",
         min=1,
-        help="Requests run at once, their tokens in one batched pass per step (each its own "
-        "KV cache; as many finished ones are kept for requests that repeat their prefix).",
+        help="Requests run at once, their tokens in one batched pass per step.",
     ),
     max_queue: int = typer.Option(
         32, "--max-queue", min=0, help="Requests that may wait beyond those; more get 503."
@@ -626,6 +625,14 @@ def serve(
         min=1,
         help="Tokens per batched pass (decode tokens and prompt chunks): a long new prompt "
         "holds running streams back by one such pass per step.",
+    ),
+    kv_size: int | None = typer.Option(
+        None,
+        "--kv-size",
+        min=1,
+        help="Positions of K/V a model's pool holds for all its requests, in pages of 64 "
+        "(default: --parallel x the context size). Requests take pages as they grow; finished "
+        "ones leave theirs cached for requests that repeat their prefix, until needed.",
     ),
     cors_origin: list[str] | None = SERVE_CORS_ORIGINS,
     keep_alive: str = typer.Option(
@@ -660,6 +667,7 @@ def serve(
         parallel=parallel,
         max_queue=max_queue,
         batch_size=batch_size,
+        kv_size=kv_size,
         log_level="debug" if debug else "info",
         cors_origins=origins,
         keep_alive=keep,

@@ -640,8 +640,24 @@ def _n_chunks(pos, window):
 
 
 @njit(cache=True, inline="always")
+def _block_length(j0, hi, page_tokens):
+    """How many keys from j0 (before hi) go into one block: KV_BLOCK, fewer at hi or at the
+    end of j0's page (no block straddles two pages)."""
+    return min(KV_BLOCK, hi - j0, page_tokens - j0 % page_tokens)
+
+
+@njit(cache=True, inline="always")
+def _page_rows(pool, table, j0, n, hi, kv, x):
+    """x[:n] = K/V head kv of positions j0..j0 + n - 1 (in one page) of the sequence whose page
+    table is `table`, as float32; the next rows up to hi - 1 and the page's end prefetched."""
+    p = pool.shape[1]
+    base = j0 // p * p
+    _head_rows(pool[table[j0 // p]], j0 - base, n, min(hi, base + p) - 1 - base, kv, x)
+
+
+@njit(cache=True, inline="always")
 def _chunk_scores(
-    q, t, kv, k_cache, pos, chunk, window, scale, softcap, sinks, round_q, qh, x, s, stats,
+    q, t, kv, k_pool, table, pos, chunk, window, scale, softcap, sinks, round_q, qh, x, s, stats,
 ):  # fmt: skip
     """One pass over the K rows of chunk `chunk` (positions chunk * KV_CHUNK.., within the keys
     ..pos of row t), for the group's query heads g of K/V head kv: stats[g] = (the max of the
@@ -654,10 +670,12 @@ def _chunk_scores(
     for g in range(group):
         for d in range(head_dim):  # q in half where K is (llama.cpp's f16 K * Q product)
             qh[g, d] = round_f16(q[t, h0 + g, d]) if round_q else q[t, h0 + g, d]
-    for j0 in range(lo, hi, KV_BLOCK):
-        n = min(KV_BLOCK, hi - j0)
-        _head_rows(k_cache, j0, n, hi - 1, kv, x)
+    j0 = lo
+    while j0 < hi:
+        n = _block_length(j0, hi, k_pool.shape[1])
+        _page_rows(k_pool, table, j0, n, hi, kv, x)
         _block_scores(qh, x, n, s, j0 - lo, head_dim)
+        j0 += n
     inv_cap = np.float32(1.0 / softcap) if softcap > 0 else np.float32(0.0)
     for g in range(group):
         if softcap > 0:  # ggml_scale -> ggml_tanh -> ggml_scale
@@ -699,7 +717,7 @@ def _row_norm(stats, first, n, step, sinks, h0, norm):
 
 
 @njit(cache=True, inline="always")
-def _chunk_values(kv, v_cache, pos, chunk, window, stats, norm, f16_probs, s, x, acc):
+def _chunk_values(kv, v_pool, table, pos, chunk, window, stats, norm, f16_probs, s, x, acc):
     """One pass over the V rows of the chunk: acc[g] = the sum of p * v over its keys, p =
     exp(score - max) / sum from s = exp(score - the chunk's max), stats and norm (rounded to half
     if f16_probs, as llama.cpp's V*KQ product with its f16 V rounds them)."""
@@ -714,10 +732,12 @@ def _chunk_values(kv, v_cache, pos, chunk, window, stats, norm, f16_probs, s, x,
             s[g, i] = round_f16(p) if f16_probs else p
         for d in range(width):
             acc[g, d] = 0.0
-    for j0 in range(lo, hi, KV_BLOCK):
-        n = min(KV_BLOCK, hi - j0)
-        _head_rows(v_cache, j0, n, hi - 1, kv, x)
+    j0 = lo
+    while j0 < hi:
+        n = _block_length(j0, hi, v_pool.shape[1])
+        _page_rows(v_pool, table, j0, n, hi, kv, x)
         _block_values(acc, s, j0 - lo, x, n)
+        j0 += n
 
 
 @njit(cache=True, inline="always")
@@ -736,8 +756,8 @@ def _row_output(acc, first, n, step, t, kv, out):
 
 @njit(cache=True, inline="always")
 def _attend_row(
-    q, t, kv, k_cache, v_cache, pos, window, scale, softcap, sinks, round_q, f16_probs, scratch,
-    out,
+    q, t, kv, k_pool, v_pool, table, pos, window, scale, softcap, sinks, round_q, f16_probs,
+    scratch, out,
 ):  # fmt: skip
     """Row t's query heads of K/V head kv over its keys ..pos, chunk after chunk on this thread
     (its slots of the scratch)."""
@@ -747,49 +767,38 @@ def _attend_row(
     first, n = _first_key(pos, window) // KV_CHUNK, _n_chunks(pos, window)
     for c in range(n):
         _chunk_scores(
-            q, t, kv, k_cache, pos, first + c, window, scale, softcap, sinks, round_q,
+            q, t, kv, k_pool, table, pos, first + c, window, scale, softcap, sinks, round_q,
             qh[thread], x[thread], s[base + c], stats[base + c],
         )  # fmt: skip
     _row_norm(stats, base, n, 1, sinks, kv * s.shape[1], norm[base])
     for c in range(n):
         _chunk_values(
-            kv, v_cache, pos, first + c, window, stats[base + c], norm[base], f16_probs,
+            kv, v_pool, table, pos, first + c, window, stats[base + c], norm[base], f16_probs,
             s[base + c], x[thread], acc[base + c],
         )  # fmt: skip
     _row_output(acc, base, n, 1, t, kv, out)
 
 
-@njit(cache=True)
-def _chunk_job(job, start_pos, n_keys, causal, window, n_kv_heads):
-    """(row t, its last key, chunk, K/V head, the slot of the row's first chunk for that head) of
-    a split `attention` job. Jobs (and slots) go row by row, chunk by chunk, head by head."""
-    t, first = 0, 0
-    while True:
-        pos = start_pos + t if causal else n_keys - 1
-        n = _n_chunks(pos, window) * n_kv_heads
-        if job < first + n:
-            c, kv = (job - first) // n_kv_heads, (job - first) % n_kv_heads
-            return t, pos, c + _first_key(pos, window) // KV_CHUNK, kv, first + kv
-        first += n
-        t += 1
-
-
 @njit(cache=True, inline="always")
-def _row_position(t, seq, starts, first_rows):
-    """(sequence, position) of row t of a batch of sequences (rows first_rows[s].. are sequence
-    s's, from position starts[s]), searching from sequence `seq` on: rows come in order."""
+def _row_key(t, seq, starts, first_rows, causal):
+    """(sequence, last key) of row t of a batch of sequences (rows first_rows[s].. are sequence
+    s's, from position starts[s]), searching from sequence `seq` on: rows come in order. The
+    last key is the row's own position, or, not causal, its sequence's last."""
     while t >= first_rows[seq + 1]:
         seq += 1
+    if not causal:
+        return seq, starts[seq] + first_rows[seq + 1] - first_rows[seq] - 1
     return seq, starts[seq] + t - first_rows[seq]
 
 
 @njit(cache=True)
-def _sequence_chunk_job(job, starts, first_rows, window, n_kv_heads):
-    """`_chunk_job` for `attention_sequences`: (row t, its sequence, its position, chunk, K/V
-    head, the slot of the row's first chunk for that head)."""
+def _chunk_job(job, starts, first_rows, window, n_kv_heads, causal):
+    """(row t, its sequence, its last key, chunk, K/V head, the slot of the row's first chunk
+    for that head) of a split job. Jobs (and slots) go row by row, chunk by chunk, head by
+    head."""
     t, seq, first = 0, 0, 0
     while True:
-        seq, pos = _row_position(t, seq, starts, first_rows)
+        seq, pos = _row_key(t, seq, starts, first_rows, causal)
         n = _n_chunks(pos, window) * n_kv_heads
         if job < first + n:
             c, kv = (job - first) // n_kv_heads, (job - first) % n_kv_heads
@@ -802,17 +811,21 @@ def _sequence_chunk_job(job, starts, first_rows, window, n_kv_heads):
 # not part of any contract, and the products' order is fixed in the IR kernels.
 @njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
 def attention(
-    q, k_cache, v_cache, start_pos, window, scale, softcap, sinks, round_q, f16_probs, split,
-    scratch, out, causal,
+    q, k_pool, v_pool, tables, starts, first_rows, window, scale, softcap, sinks, round_q,
+    f16_probs, split, scratch, out, causal,
 ):  # fmt: skip
-    """Causal multi-head attention over an f16 KV cache, with grouped K/V heads and an optional
-    sliding window; or, not `causal`, every token over all start_pos + n_tokens keys (the
-    encoders' bidirectional attention, over their float32 K and V).
+    """Multi-head attention with grouped K/V heads for the rows of one or more sequences, each
+    over its own keys in a paged f16 KV cache: causal, with an optional sliding window; or, not
+    `causal`, every row over all its sequence's keys (the encoders' bidirectional attention,
+    over their float32 K and V as one page).
 
-    q: float32[n_tokens, n_heads, head_dim] for positions start_pos .. start_pos + n_tokens - 1
-    k_cache, v_cache: uint16[n_ctx, n_kv_heads, head_dim], IEEE half bits (llama.cpp's f16 KV
-    cache: half the memory and bandwidth of float32), or float32 (CPUBackend's exact mode),
-    filled up to start_pos + n_tokens
+    q: float32[n_rows, n_heads, head_dim]: rows first_rows[s]..first_rows[s + 1] - 1 are
+    sequence s's tokens at positions starts[s]..
+    k_pool, v_pool: uint16[n_pages, page_tokens, n_kv_heads, head_dim], IEEE half bits
+    (llama.cpp's f16 KV cache: half the memory and bandwidth of float32), or float32
+    (CPUBackend's exact mode), one layer of a KVPool; tables: int32[n_seqs, pages]: position j
+    of sequence s is row j % page_tokens of page tables[s, j // page_tokens], filled up to its
+    last row's position.
     window: 0 for global attention, else a key at position j is seen from position i only when
     i - j < window (llama.cpp's standard SWA mask).
     softcap: 0, or each scaled score s becomes softcap * tanh(s / softcap) before the softmax
@@ -822,108 +835,54 @@ def attention(
     round_q, f16_probs: q rounded to half before q.k, the probabilities before they weight V, as
     llama.cpp's K*Q and V*KQ products with its f16 KV cache round them.
     split: each chunk of each row a job of its own (decode), else a job per row and K/V head
-    (prefill); the same result (see KV_CHUNK).
+    (prefill); the same result (see KV_CHUNK). A row's arithmetic does not depend on the other
+    rows, sequences or pages: a sequence gets the same bits batched as alone.
     scratch: `attention_scratch(...)`, allocated once by the caller.
-    out: float32[n_tokens, n_heads, head_dim]
+    out: float32[n_rows, n_heads, head_dim]
     """
-    n_tokens = q.shape[0]
-    n_keys = start_pos + n_tokens
-    n_kv_heads = k_cache.shape[1]
-    if not split:
-        for job in prange(n_tokens * n_kv_heads):
-            t, kv = job // n_kv_heads, job % n_kv_heads
-            pos = start_pos + t if causal else n_keys - 1  # the last key this token sees
-            _attend_row(
-                q, t, kv, k_cache, v_cache, pos, window, scale, softcap, sinks, round_q,
-                f16_probs, scratch, out,
-            )  # fmt: skip
-        return
-    s, stats, norm, acc, qh, x = scratch
-    n_jobs = 0
-    for t in range(n_tokens):
-        n_jobs += _n_chunks(start_pos + t if causal else n_keys - 1, window) * n_kv_heads
-    for job in prange(n_jobs):
-        t, pos, c, kv, _ = _chunk_job(np.int64(job), start_pos, n_keys, causal, window, n_kv_heads)
-        thread = get_thread_id()
-        _chunk_scores(
-            q, t, kv, k_cache, pos, c, window, scale, softcap, sinks, round_q, qh[thread],
-            x[thread], s[job], stats[job],
-        )  # fmt: skip
-    slot = 0
-    for t in range(n_tokens):
-        n = _n_chunks(start_pos + t if causal else n_keys - 1, window)
-        for kv in range(n_kv_heads):
-            _row_norm(stats, slot + kv, n, n_kv_heads, sinks, kv * s.shape[1], norm[slot + kv])
-        slot += n * n_kv_heads
-    for job in prange(n_jobs):
-        t, pos, c, kv, first = _chunk_job(
-            np.int64(job), start_pos, n_keys, causal, window, n_kv_heads
-        )
-        _chunk_values(
-            kv, v_cache, pos, c, window, stats[job], norm[first], f16_probs, s[job],
-            x[get_thread_id()], acc[job],
-        )  # fmt: skip
-    slot = 0
-    for t in range(n_tokens):
-        n = _n_chunks(start_pos + t if causal else n_keys - 1, window)
-        for kv in range(n_kv_heads):
-            _row_output(acc, slot + kv, n, n_kv_heads, t, kv, out)
-        slot += n * n_kv_heads
-
-
-@njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
-def attention_sequences(
-    q, k_caches, v_caches, starts, first_rows, window, scale, softcap, sinks, round_q, f16_probs,
-    split, scratch, out,
-):  # fmt: skip
-    """`attention` for the rows of several sequences in one parallel region (a batched step):
-    rows first_rows[s]..first_rows[s + 1] - 1 of q are sequence s's tokens at positions
-    starts[s].., over its own cache k_caches[s], v_caches[s] (a tuple of one layer's caches,
-    each filled up to its last row's position). Each row's arithmetic is `attention`'s, so a
-    sequence gets the same result here as alone."""
     n_rows = q.shape[0]
-    n_kv_heads = k_caches[0].shape[1]
+    n_kv_heads = k_pool.shape[2]
     if not split:
         for job in prange(n_rows * n_kv_heads):
             t, kv = job // n_kv_heads, job % n_kv_heads
-            seq, pos = _row_position(t, 0, starts, first_rows)
+            seq, pos = _row_key(t, 0, starts, first_rows, causal)
             _attend_row(
-                q, t, kv, k_caches[seq], v_caches[seq], pos, window, scale, softcap, sinks,
+                q, t, kv, k_pool, v_pool, tables[seq], pos, window, scale, softcap, sinks,
                 round_q, f16_probs, scratch, out,
             )  # fmt: skip
         return
     s, stats, norm, acc, qh, x = scratch
     n_jobs, seq = 0, 0
     for t in range(n_rows):
-        seq, pos = _row_position(t, seq, starts, first_rows)
+        seq, pos = _row_key(t, seq, starts, first_rows, causal)
         n_jobs += _n_chunks(pos, window) * n_kv_heads
     for job in prange(n_jobs):
-        t, seq, pos, c, kv, _ = _sequence_chunk_job(
-            np.int64(job), starts, first_rows, window, n_kv_heads
+        t, seq, pos, c, kv, _ = _chunk_job(
+            np.int64(job), starts, first_rows, window, n_kv_heads, causal
         )
         thread = get_thread_id()
         _chunk_scores(
-            q, t, kv, k_caches[seq], pos, c, window, scale, softcap, sinks, round_q,
+            q, t, kv, k_pool, tables[seq], pos, c, window, scale, softcap, sinks, round_q,
             qh[thread], x[thread], s[job], stats[job],
         )  # fmt: skip
     slot, seq = 0, 0
     for t in range(n_rows):
-        seq, pos = _row_position(t, seq, starts, first_rows)
+        seq, pos = _row_key(t, seq, starts, first_rows, causal)
         n = _n_chunks(pos, window)
         for kv in range(n_kv_heads):
             _row_norm(stats, slot + kv, n, n_kv_heads, sinks, kv * s.shape[1], norm[slot + kv])
         slot += n * n_kv_heads
     for job in prange(n_jobs):
-        t, seq, pos, c, kv, first = _sequence_chunk_job(
-            np.int64(job), starts, first_rows, window, n_kv_heads
+        t, seq, pos, c, kv, first = _chunk_job(
+            np.int64(job), starts, first_rows, window, n_kv_heads, causal
         )
         _chunk_values(
-            kv, v_caches[seq], pos, c, window, stats[job], norm[first], f16_probs, s[job],
+            kv, v_pool, tables[seq], pos, c, window, stats[job], norm[first], f16_probs, s[job],
             x[get_thread_id()], acc[job],
         )  # fmt: skip
     slot, seq = 0, 0
     for t in range(n_rows):
-        seq, pos = _row_position(t, seq, starts, first_rows)
+        seq, pos = _row_key(t, seq, starts, first_rows, causal)
         n = _n_chunks(pos, window)
         for kv in range(n_kv_heads):
             _row_output(acc, slot + kv, n, n_kv_heads, t, kv, out)
@@ -946,14 +905,15 @@ def attention_slots(n_rows: int, n_kv_heads: int, n_ctx: int, window: int, n_thr
 
 def attention_scratch(n_threads: int, group: int, head_dim: int, n_slots: int) -> tuple:
     """`attention`'s scratch, for n_threads threads and group query heads per K/V head:
-    per slot, s: float32[group, KV_CHUNK] (a chunk's scores, then probabilities), stats:
+    per slot, s: float32[group, KV_CHUNK + 8] (a chunk's scores, then probabilities; 8 more, as
+    _block_scores writes 8 keys at a time from any column), stats:
     float64[group, 2] (their max and sum), norm: float32[group, 2] (the row's max and 1 / sum),
     acc: float32[group, width] (the chunk's output); per thread, qh: float32[group, width] (the
     group's queries) and x: float32[KV_BLOCK, width] (K or V rows in float32). width: head_dim
     rounded up to LANES, the padding zero."""
     width = -(-head_dim // LANES) * LANES
     return (
-        np.empty((n_slots, group, KV_CHUNK), np.float32),
+        np.empty((n_slots, group, KV_CHUNK + 8), np.float32),
         np.empty((n_slots, group, 2), np.float64),
         np.empty((n_slots, group, 2), np.float32),
         np.empty((n_slots, group, width), np.float32),

@@ -53,14 +53,15 @@ class PromptCache:
         stat = Path(model_path).stat()
         self.directory = cache_dir() if directory is None else directory
         identity = f"{Path(model_path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-        layout = f"{cache.k.dtype}:{cache.k.shape[0]}:{cache.k.shape[2:]}"
+        k = cache.pool.k
+        layout = f"{k.dtype}:{k.shape[0]}:{k.shape[3:]}"
         self.model = hashlib.sha256(f"{identity}|{layout}".encode()).hexdigest()[:16]
         # the file the cache was last restored from (or written to), and its tokens
         self._source: tuple[Path, list[int]] | None = None
 
     @staticmethod
     def usable(cache: KVCache) -> bool:
-        return isinstance(cache.k, np.ndarray)
+        return isinstance(cache.pool.k, np.ndarray)
 
     def _files(self) -> list[Path]:
         return sorted(self.directory.glob(f"{self.model}-*.kv"))
@@ -78,7 +79,7 @@ class PromptCache:
             if n > best_n:
                 best, best_n = (path, *found), n
         if best is None or not self._read_into(*best, cache, best_n):
-            return have
+            return cache.reusable_prefix(prompt_ids)  # (a failed read leaves it empty)
         path, header, _ = best
         self._source = path, header["tokens"]
         with contextlib.suppress(OSError):
@@ -87,19 +88,25 @@ class PromptCache:
 
     def _read_into(self, path: Path, header: dict, offset: int, cache: KVCache, n: int) -> bool:
         """Copy the first n positions of the file (header and data offset read) into cache."""
+        pool = cache.pool
         try:
-            rows = cache.k.shape[2:]
-            if header["dtype"] != str(cache.k.dtype) or tuple(header["rows"]) != rows:
+            rows = pool.k.shape[3:]
+            if header["dtype"] != str(pool.k.dtype) or tuple(header["rows"]) != rows:
                 return False
-            shape = (2, cache.k.shape[0], len(header["tokens"]), *rows)
-            data = np.memmap(path, dtype=cache.k.dtype, mode="r", offset=offset, shape=shape)
-            cache.k[:, :n] = data[0, :, :n]
-            cache.v[:, :n] = data[1, :, :n]
+            shape = (2, pool.k.shape[0], len(header["tokens"]), *rows)
+            data = np.memmap(path, dtype=pool.k.dtype, mode="r", offset=offset, shape=shape)
+            cache.clear()
+            cache.prepare(0, n)
+            at = cache.positions(n)
+            for layer in range(pool.k.shape[0]):
+                pool.k[layer][at] = data[0, layer, :n]
+                pool.v[layer][at] = data[1, layer, :n]
             del data
         except (OSError, ValueError, KeyError, TypeError) as e:
             _drop(path, e)
+            cache.clear()
             return False
-        cache.tokens = list(header["tokens"][:n])
+        cache.extend(header["tokens"][:n])
         return True
 
     def store(self, cache: KVCache) -> None:
@@ -116,15 +123,16 @@ class PromptCache:
                 os.utime(path)
             return
         n = len(tokens)
-        header = {"tokens": tokens, "dtype": str(cache.k.dtype), "rows": list(cache.k.shape[2:])}
+        pool, at = cache.pool, cache.positions(n)
+        header = {"tokens": tokens, "dtype": str(pool.k.dtype), "rows": list(pool.k.shape[3:])}
         temporary = path.with_suffix(f".tmp{os.getpid()}")
         try:
             with open(temporary, "wb") as f:
                 blob = json.dumps(header).encode()
                 f.write(MAGIC + len(blob).to_bytes(8, "little") + blob)
-                for layers in (cache.k, cache.v):
+                for layers in (pool.k, pool.v):
                     for layer in layers:
-                        f.write(np.ascontiguousarray(layer[:n]).data)
+                        f.write(np.ascontiguousarray(layer[at]).data)
             os.replace(temporary, path)
         except (OSError, KeyboardInterrupt) as e:
             with contextlib.suppress(OSError):

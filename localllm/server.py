@@ -40,7 +40,6 @@ from starlette.routing import BaseRoute, Match
 from localllm import server_anthropic, server_ollama, server_openai
 from localllm.batching import STEP_TOKENS
 from localllm.errors import LocalLLMError
-from localllm.kv_cache import PrefixCache
 from localllm.models import DEFAULT_CTX, Model, load_model
 from localllm.server_cors import CORSPolicy, cors_warning
 from localllm.server_engine import Engine, EngineBusy
@@ -126,9 +125,11 @@ class ModelPool:
         n_threads: int | None = None,
         device: str = "auto",
         keep_alive: float = DEFAULT_KEEP_ALIVE,
+        kv_size: int | None = None,
     ) -> None:
         self._engine = engine
         self._load_args = (n_ctx, n_threads, device)
+        self.kv_size = kv_size  # positions in a model's KV pool (None: parallel x its context)
         self.keep_alive = keep_alive  # seconds; math.inf: never unloaded for idleness
         self._loaded: dict[str, Model] = {}
         self._ctx_lengths: dict[str, int] = {}
@@ -138,7 +139,6 @@ class ModelPool:
         self._info: dict[str, LoadedModel] = {}  # id -> the loaded model, as /api/ps says
         self._stopping: dict[str, datetime] = {}  # id -> when its unload was asked for
         self._running: dict[str, int] = {}  # id -> sequences using it (engine thread only)
-        self._prefix: dict[str, PrefixCache] = {}  # id -> its idle KV caches (engine thread)
         self._expires: dict[str, float] = {}  # id -> when it unloads, idle (time.time())
         self._digests: dict[Path, str] = {}
         if specs:
@@ -191,6 +191,10 @@ class ModelPool:
         if model is None:
             n_ctx, n_threads, device = self._load_args
             model = load_model(served.path, n_ctx=n_ctx, n_threads=n_threads, device=device)
+            if model.config.causal:
+                # one pool for every sequence; each running one never needs more than a context
+                kv_size = self.kv_size or self._engine.parallel * model.n_ctx
+                model.transformer.size_pool(kv_size, hard=True)
             self._loaded[served.id] = model
             with self._lock:
                 self._info[served.id] = LoadedModel.of(served.id, model)
@@ -231,15 +235,6 @@ class ModelPool:
         self._running[served.id] = self._running.get(served.id, 0) + 1
         self._keep(served.id, keep_alive)
         return model
-
-    def prefix_cache(self, served: ServedModel) -> PrefixCache:
-        """The idle KV caches of a checked-out model (engine thread), one per slot: they go
-        when the model unloads."""
-        caches = self._prefix.get(served.id)
-        if caches is None:
-            new_cache = self._loaded[served.id].transformer.new_cache
-            caches = self._prefix[served.id] = PrefixCache(new_cache, self._engine.parallel)
-        return caches
 
     def checkin(self, served: ServedModel, keep_alive: float | None = None) -> None:
         """A sequence is done with its model (engine thread); a pending unload happens now,
@@ -306,7 +301,6 @@ class ModelPool:
             self._stopping.pop(model_id, None)
             self._expires.pop(model_id, None)
         self._running.pop(model_id, None)
-        self._prefix.pop(model_id, None)
         model = self._loaded.pop(model_id)
         # The map goes once the last reference does; requests still holding the model object
         # (built but not started) drop it when they start (see checkout).
@@ -583,6 +577,7 @@ def create_app(
     cors_origins: list[str] | None = None,
     keep_alive: float = DEFAULT_KEEP_ALIVE,
     batch_size: int = STEP_TOKENS,
+    kv_size: int | None = None,
 ) -> FastAPI:
     """The ASGI app. `models`: installed model names or .gguf paths (none: every installed
     model); `host`: the address it will be bound to (a loopback one turns on the Host and
@@ -590,7 +585,7 @@ def create_app(
     Raises LocalLLMError for a model that is not there or an origin that is not one."""
     cors = CORSPolicy(cors_origins or [])
     engine = Engine(parallel=parallel, max_queue=max_queue, step_tokens=batch_size)
-    pool = ModelPool(list(models or []), engine, n_ctx, n_threads, device, keep_alive)
+    pool = ModelPool(list(models or []), engine, n_ctx, n_threads, device, keep_alive, kv_size)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -658,6 +653,7 @@ def serve(
     cors_origins: list[str] | None = None,
     keep_alive: float = DEFAULT_KEEP_ALIVE,
     batch_size: int = STEP_TOKENS,
+    kv_size: int | None = None,
 ) -> None:
     """Serve the API until interrupted (blocking). Startup messages go to stderr."""
     import uvicorn
@@ -675,6 +671,7 @@ def serve(
         cors_origins,
         keep_alive,
         batch_size,
+        kv_size,
     )
     sock = _listen(host, port)
     for warning in (exposure_warning(host, port, api_key), cors_warning(app.state.cors.origins)):

@@ -17,7 +17,6 @@ from fastapi.responses import StreamingResponse
 
 from localllm.errors import LocalLLMError
 from localllm.generate import prompt_logits, stream_generate
-from localllm.kv_cache import PrefixCache
 from localllm.models import Model
 from localllm.sampling import Sampler
 from localllm.server_engine import Engine, EngineBusy, Generation, cancel_check
@@ -62,18 +61,19 @@ class Job:
     prompt_logprobs: int | None = None
     prompt_entries: list[dict[str, Any]] | None = None
     keep_alive: float | None = None  # seconds the model stays loaded after (None: the server's)
-    caches: PrefixCache | None = None  # the model's idle KV caches (set by checked_out)
 
 
 def steps(job: Job) -> Iterator[Step]:
-    """The engine-side generator: stream_generate, one item per step, on the idle KV cache
-    that holds the longest prefix of the prompt (only the rest is prefilled) or a fresh one.
-    A row's KV does not depend on what ran beside it, so the answer is the same either way."""
-    cache = job.caches.take(job.prompt_ids)
+    """The engine-side generator: stream_generate, one item per step, on a KV cache that
+    starts with the pool's cached pages of the longest prefix of the prompt (only the rest is
+    prefilled). A row's KV does not depend on what ran beside it, so the answer is the same
+    either way."""
+    cache = job.model.transformer.new_cache()
     try:
+        cache.adopt(job.prompt_ids)
         yield from _steps(job, cache)
     finally:
-        job.caches.give(cache)  # for the next request with this prefix (a chat's next turn)
+        cache.release()  # its pages stay cached for the next request with this prefix
 
 
 def _steps(job: Job, cache) -> Iterator[Step]:
@@ -134,7 +134,6 @@ def checked_out(pool: ModelPool, job: Job) -> Iterator[Step]:
     """steps on the model the pool holds when the sequence starts, checked back in when it
     ends, so that an unload never closes a model under a running sequence."""
     job.model = pool.checkout(job.served, job.keep_alive)
-    job.caches = pool.prefix_cache(job.served)
     try:
         yield from steps(job)
     finally:

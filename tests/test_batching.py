@@ -124,31 +124,17 @@ def test_engine_runs_concurrent_requests_in_one_pass_per_step(monkeypatch):
     assert len(passes) < passes_alone / 2, (len(passes), passes_alone)
 
 
-def test_prefix_cache_hands_out_the_longest_prefix_and_drops_the_least_recently_used():
-    from localllm.kv_cache import KVCache, PrefixCache
+class _Cache:
+    """Stands in for a KV cache of unlimited pages, named for its sequence."""
 
-    made = []
+    def __init__(self, name: str) -> None:
+        self.name = name
 
-    def new_cache():
-        made.append(KVCache(1, 16, 1, 4))
-        return made[-1]
+    def trim(self, n: int) -> None:
+        pass
 
-    pool = PrefixCache(new_cache, capacity=2)
-    a, b = pool.take([1, 2, 3]), pool.take([7, 8])
-    a.tokens, b.tokens = [1, 2, 3, 4], [7, 8, 9]
-    pool.give(a)
-    pool.give(b)
-    assert pool.take([1, 2, 3, 5]) is a  # holds [1, 2, 3] of it
-    pool.give(a)  # now the most recently used
-    assert pool.take([5, 6]) is b  # nothing shared, the pool full: its least recently used
-    assert len(made) == 2
-    c = pool.take([9])  # nothing shared, one kept: a new cache, `a` stays for its prefix
-    assert c is not a and len(made) == 3
-    c.tokens = [9, 9]
-    pool.give(b)
-    pool.give(c)  # three given back: the least recently used (a) is dropped
-    assert pool.cached_tokens == len(b.tokens) + len(c.tokens)
-    assert pool.take([1, 2, 3, 4]) is not a
+    def prepare(self, start: int, n: int) -> None:
+        pass
 
 
 class _CountingModel:
@@ -160,8 +146,32 @@ class _CountingModel:
         self.passes = []
 
     def forward_batch(self, parts):
-        self.passes.append([(cache, len(ids)) for cache, _, ids, _ in parts])
+        self.passes.append([(cache.name, len(ids)) for cache, _, ids, _ in parts])
         return [np.zeros(1, np.float32) if wants else None for *_, wants in parts]
+
+
+def test_a_full_kv_pool_preempts_the_newest_and_the_answers_stay_the_same(monkeypatch):
+    """Three sequences whose pages outgrow a hard pool of one context: the newest give theirs
+    back and run their tokens again later (from what the prefix cache still holds), the oldest
+    always advances, and every answer is the one it gets alone."""
+    from localllm.batching import Request
+
+    model = load_model(model_path("smollm2-135m"), n_ctx=128, device="cpu")
+    preempted = []
+    preempt = Request.preempt
+    monkeypatch.setattr(Request, "preempt", lambda r: preempted.append(r.age) or preempt(r))
+    model.transformer.size_pool(128, hard=True)  # 2 pages of 64; each sequence needs 2
+    engine = Engine(parallel=3, max_queue=0)
+    try:
+        alone = [_run_on_engine(engine, model, [p], 70)[0] for p in PROMPTS[:3]]
+        assert not preempted
+        together = _run_on_engine(engine, model, PROMPTS[:3], 70)
+        assert model.transformer.pool.n_pages == 2
+    finally:
+        engine.stop()
+        model.close()
+    assert together == alone
+    assert preempted
 
 
 def test_batcher_keeps_room_for_prompts_and_rotates_decode_tokens():
@@ -176,7 +186,7 @@ def test_batcher_keeps_room_for_prompts_and_rotates_decode_tokens():
     def sequence(name, n_tokens, calls):
         def run():
             for _ in range(calls):
-                batcher.forward(model, np.zeros(n_tokens, np.int64), 0, name, None)
+                batcher.forward(model, np.zeros(n_tokens, np.int64), 0, _Cache(name), None)
 
         g = greenlet(run)
         g.batcher, g.parked = batcher, None
@@ -209,7 +219,7 @@ def test_a_pass_holds_the_engines_step_tokens_below_the_models_chunk_size():
 
     def sequence(name, n_tokens):
         def run():
-            batcher.forward(model, np.zeros(n_tokens, np.int64), 0, name, None)
+            batcher.forward(model, np.zeros(n_tokens, np.int64), 0, _Cache(name), None)
 
         g = greenlet(run)
         g.batcher, g.parked = batcher, None

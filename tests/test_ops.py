@@ -146,10 +146,28 @@ def _attention(q, k_cache, v_cache, start, window, softcap=0.0, sinks=None, spli
     out = np.full_like(q, np.nan)
     sinks = np.zeros(0, np.float32) if sinks is None else sinks
     ops.attention(
-        q, k_cache, v_cache, start, window, np.float32(1 / math.sqrt(head_dim)),
+        q, k_cache[None], v_cache[None], np.zeros((1, 1), np.int32), np.array([start]),
+        np.array([0, n_tokens]), window, np.float32(1 / math.sqrt(head_dim)),
         np.float32(softcap), sinks, f16, f16, split, scratch, out, causal,
     )  # fmt: skip
     return out
+
+
+def _paged(caches, page_tokens, n_pages):
+    """Pools of n_pages pages holding each contiguous cache (K or V) at shuffled pages, and the
+    page tables: (k_pool, v_pool, tables)."""
+    n_kv, head_dim = caches[0][0].shape[1:]
+    pools = [np.zeros((n_pages, page_tokens, n_kv, head_dim), caches[0][0].dtype) for _ in "kv"]
+    width = max(-(-len(k) // page_tokens) for k, _ in caches)
+    tables = np.zeros((len(caches), width), np.int32)
+    free = list(rng.permutation(n_pages))
+    for row, pair in enumerate(caches):
+        for i in range(-(-len(pair[0]) // page_tokens)):
+            tables[row, i] = page = free.pop()
+            for pool, cache in zip(pools, pair, strict=True):
+                part = cache[i * page_tokens : (i + 1) * page_tokens]
+                pool[page, : len(part)] = part
+    return *pools, tables
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
@@ -198,7 +216,7 @@ def test_attention_gqa_causal_window(window, softcap, head_dim, split, half_bits
 def test_attention_over_chunks_is_one_result(head_dim, window):
     """A long cache (several ops.KV_CHUNK chunks, their sums and outputs combined): the same bits
     whether a row's chunks run as jobs of their own (decode) or one after the other (prefill), on
-    one thread or all, and for a sequence batched with others (attention_sequences) as alone;
+    one thread or all, through pages, and for a sequence batched with others as alone;
     and near the float64 reference."""
     n_ctx, n_heads, n_kv, start, n = 3 * ops.KV_CHUNK + 40, 8, 2, 2 * ops.KV_CHUNK + 30, 5
     q = rng.standard_normal((n, n_heads, head_dim)).astype(np.float32)
@@ -218,19 +236,30 @@ def test_attention_over_chunks_is_one_result(head_dim, window):
     scale = 1 / math.sqrt(head_dim)
     expected = _attention_ref(q16, k.astype(np.float32), v.astype(np.float32), start, window, scale)
     np.testing.assert_allclose(alone, expected, rtol=1e-3, atol=1e-3)
-    # rows 0-1 of this sequence beside rows of another (a shorter one), then rows 2-4 alone
+    # through pages of 64 and 32 positions (a window's first key mid-block: its block is cut at
+    # the page's end): rows 0-1 of this sequence beside rows of another (a shorter one), then
+    # rows 2-4 alone; the same bits as the contiguous cache's
     other = rng.standard_normal((3, n_heads, head_dim)).astype(np.float32)
     scratch = _scratch(5, n_heads, n_kv, head_dim, n_ctx, window)
-    for split in (False, True):
-        rows = np.concatenate([other, q[:2]])
-        out = np.full_like(rows, np.nan)
-        ops.attention_sequences(
-            rows, (k.view(np.uint16)[:100], k.view(np.uint16)), (v.view(np.uint16)[:100],
-            v.view(np.uint16)), np.array([50, start]), np.array([0, 3, 5]), window,
-            np.float32(scale), np.float32(0.0), np.zeros(0, np.float32), True, True, split,
-            scratch, out,
-        )  # fmt: skip
-        assert np.array_equal(out[3:], alone[:2])
+    short = (k.view(np.uint16)[:100], v.view(np.uint16)[:100])
+    for page_tokens in (64, 32):
+        k_pool, v_pool, tables = _paged([short, halves[:2]], page_tokens, 40)
+        for split in (False, True):
+            rows = np.concatenate([other, q[:2]])
+            out = np.full_like(rows, np.nan)
+            ops.attention(
+                rows, k_pool, v_pool, tables, np.array([50, start]), np.array([0, 3, 5]), window,
+                np.float32(scale), np.float32(0.0), np.zeros(0, np.float32), True, True, split,
+                scratch, out, True,
+            )  # fmt: skip
+            assert np.array_equal(out[3:], alone[:2])
+            out = np.full_like(q[2:], np.nan)
+            ops.attention(
+                q[2:], k_pool, v_pool, tables[1:], np.array([start + 2]), np.array([0, 3]),
+                window, np.float32(scale), np.float32(0.0), np.zeros(0, np.float32), True, True,
+                split, scratch, out, True,
+            )  # fmt: skip
+            assert np.array_equal(out, alone[2:])
     rest = _attention(q[2:], *halves[:2], start + 2, window, split=True, f16=True)
     assert np.array_equal(rest, alone[2:])
 

@@ -20,6 +20,7 @@ from localllm import ops, quants
 from localllm.cuda import kernels
 from localllm.errors import LocalLLMError
 from localllm.gguf import TensorInfo
+from localllm.kv_cache import page_spans
 
 ELEMENTWISE_THREADS = 256
 
@@ -121,11 +122,16 @@ class CUDABackend:
         """A host copy of the device array x, e.g. the logits; waits for the queued work."""
         return np.asarray(x.copy_to_host(), dtype=np.float32)
 
-    def write_kv(self, k_cache, v_cache, start_pos: int, k, v) -> None:
-        """Store k, v: float32[n_tokens, n_kv_heads, head_dim] at start_pos (device to device)."""
-        n = k.shape[0]
-        k_cache[start_pos : start_pos + n].copy_to_device(k)
-        v_cache[start_pos : start_pos + n].copy_to_device(v)
+    def kv_page_tokens(self, n_ctx: int) -> int:
+        """A page holds a whole context: kernels.attention reads a sequence's keys as one
+        array (sequences run one pass each here, see exact_rows)."""
+        return n_ctx
+
+    def write_kv(self, k_pool, v_pool, pages, start_pos: int, k, v) -> None:
+        """Store k, v (device float32[n_tokens, n_kv_heads, head_dim]) at start_pos.."""
+        for page, row, first, n in page_spans(pages, k_pool.shape[1], start_pos, k.shape[0]):
+            k_pool[page, row : row + n].copy_to_device(k[first : first + n])
+            v_pool[page, row : row + n].copy_to_device(v[first : first + n])
 
     # -- ops --------------------------------------------------------------------------------
 
@@ -197,11 +203,18 @@ class CUDABackend:
         """Not established for the CUDA kernels: sequences take turns, one pass each."""
         return False
 
-    def attention_sequences(self, q, caches, window, scale, softcap, out, sinks=None):
-        """Each sequence's rows in turn (the kernels are asynchronous launches)."""
-        for k_cache, v_cache, start, first, n in caches:
-            r = slice(first, first + n)
-            self.attention(q[r], k_cache, v_cache, start, window, scale, softcap, out[r], sinks)
+    def attention_sequences(
+        self, q, k_pool, v_pool, tables, starts, first_rows, window, scale, softcap, out,
+        sinks=None,
+    ):  # fmt: skip
+        """Each sequence's rows in turn over its one page (the kernels are asynchronous
+        launches)."""
+        if tables.shape[1] != 1:
+            raise ValueError("a CUDA KV cache is one page per sequence (kv_page_tokens)")
+        for seq, page in enumerate(tables[:, 0]):
+            r = slice(int(first_rows[seq]), int(first_rows[seq + 1]))
+            k, v = k_pool[int(page)], v_pool[int(page)]
+            self.attention(q[r], k, v, int(starts[seq]), window, scale, softcap, out[r], sinks)
         return out
 
     def attention(

@@ -22,7 +22,7 @@ import numpy as np
 from localllm import batching, ops
 from localllm.errors import LocalLLMError
 from localllm.gguf import GGUFFile
-from localllm.kv_cache import KVCache
+from localllm.kv_cache import KVCache, KVPool
 from localllm.models.config import ModelConfig
 
 
@@ -90,7 +90,7 @@ class Scratch:
 
 
 class Transformer:
-    """Weights (views into the GGUF map), scratch buffers and one KV cache."""
+    """Weights (views into the GGUF map), scratch buffers, the KV pool and one KV cache."""
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig, backend, n_ctx: int, n_batch: int = 64):
         self.config = config
@@ -107,6 +107,14 @@ class Transformer:
         self.rope_freqs = self._rope_freqs(n_ctx)  # host float32[rope_dim // 2] or None
         self._check_shapes()
         self.scratch = Scratch(config, n_batch, backend.zeros)
+        self._n_ctx = n_ctx
+        # every sequence's K/V pages; sized for one context, it grows when more are wanted
+        # (see size_pool)
+        page = backend.kv_page_tokens(n_ctx)
+        pages = -(-n_ctx // page)
+        self.pool = KVPool(
+            config.n_layers, config.n_kv_heads, config.head_dim, page, pages, backend.kv_zeros
+        )
         self.cache = self.new_cache(n_ctx)
         # Whether a row's result never depends on the rows beside it in a pass (integer dot
         # products all through): only then do several sequences share a pass (batching.py).
@@ -326,7 +334,16 @@ class Transformer:
 
     @property
     def n_ctx(self) -> int:
-        return self.cache.n_ctx
+        return self._n_ctx
+
+    def size_pool(self, n_tokens: int, hard: bool) -> None:
+        """Make the KV pool hold n_tokens positions (at least one context): `hard`, a sequence
+        that needs a page past that waits for one (the server), else the pool grows."""
+        page = self.pool.page_tokens
+        self.pool.capacity = max(-(-n_tokens // page), -(-self.n_ctx // page))
+        self.pool.hard = hard
+        if hard:  # all of it now: zeros the OS backs as they are written (on a GPU, memory)
+            self.pool.grow(self.pool.capacity)
 
     @property
     def kv_nbytes(self) -> int:
@@ -336,13 +353,16 @@ class Transformer:
     def hidden_states(self, token_ids, interrupt: Callable[[], None] | None = None) -> np.ndarray:
         """float32[n_tokens, dim]: the final normed hidden states of one input, run in a KV
         cache of its own (the embeddings of a causal model)."""
-        return self.forward(token_ids, 0, cache=self.new_cache(), interrupt=interrupt, hidden=True)
+        cache = self.new_cache()
+        try:
+            return self.forward(token_ids, 0, cache=cache, interrupt=interrupt, hidden=True)
+        finally:
+            cache.clear()  # its pages back to the pool at once
 
     def new_cache(self, n_ctx: int | None = None) -> KVCache:
-        """A KV cache (by default of the same context size), e.g. for another sequence."""
-        c = self.config
-        n_ctx = self.cache.n_ctx if n_ctx is None else n_ctx
-        return KVCache(c.n_layers, n_ctx, c.n_kv_heads, c.head_dim, self.backend.kv_zeros)
+        """A KV cache for another sequence in the model's pool (by default of the same context
+        size)."""
+        return KVCache(self.pool, self.n_ctx if n_ctx is None else n_ctx)
 
     def forward(
         self,
@@ -375,9 +395,10 @@ class Transformer:
             chunk = token_ids[first : first + self.n_batch]
             last_chunk = first + len(chunk) == n_tokens
             with self.backend.step(len(chunk)):  # the backend picks its threads per chunk
+                cache.prepare(start_pos + first, len(chunk))
                 segment = (cache, start_pos + first, 0, len(chunk))
                 self._forward_chunk(chunk, [segment], interrupt)
-                cache.tokens.extend(int(t) for t in chunk)
+                cache.extend(chunk)
                 if hidden:
                     rows.append(self._hidden(0, len(chunk)))
                 elif all_logits:
@@ -421,13 +442,14 @@ class Transformer:
         segments, first = [], 0
         for cache, start_pos, ids, _ in parts:
             cache.trim(start_pos)
+            cache.prepare(start_pos, len(ids))  # may raise PoolFull: nothing is run then
             segments.append((cache, start_pos, first, len(ids)))
             first += len(ids)
         token_ids = np.concatenate([ids for _, _, ids, _ in parts])
         with self.backend.step(n_tokens):
             self._forward_chunk(token_ids, segments)
             for cache, _, ids, _ in parts:
-                cache.tokens.extend(int(t) for t in ids)
+                cache.extend(ids)
             wanted = [i for i, part in enumerate(parts) if part[3]]
             out: list = [None] * len(parts)
             if wanted:
@@ -478,6 +500,7 @@ class Transformer:
         positions = np.concatenate(
             [np.arange(start, start + rows, dtype=np.int64) for _, start, _, rows in segments]
         )
+        kv = self._page_tables(segments)
         tables = {}
         attn_scale = c.attn_scale or 1.0 / math.sqrt(c.head_dim)
         for i, layer in enumerate(self.layers):
@@ -493,11 +516,25 @@ class Transformer:
                     positions, c.rope_dim, c.theta(i), scaling, self.rope_freqs
                 )
             cos, sin = tables[key] if c.rotates(i) else (None, None)
-            self._attention_block(layer, i, x, segments, cos, sin, window, attn_scale)
+            self._attention_block(layer, i, x, segments, kv, cos, sin, window, attn_scale)
             self._ffn_block(layer, x)
 
+    def _page_tables(self, segments: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tables, starts, first_rows) of the segments' sequences, as attention reads them:
+        int32[n_seqs, pages] their page tables, int64[n_seqs] their first positions in this
+        pass, int64[n_seqs + 1] their first rows (and the end)."""
+        width = max(len(cache.pages) for cache, *_ in segments)
+        tables = np.zeros((len(segments), width), np.int32)
+        for row, (cache, *_) in enumerate(segments):
+            if cache.pool is not self.pool:
+                raise ValueError("a KV cache from another model's pool (use new_cache)")
+            tables[row, : len(cache.pages)] = cache.pages
+        starts = np.array([start for _, start, _, _ in segments], np.int64)
+        ends = [first + rows for _, _, first, rows in segments]
+        return tables, starts, np.array([segments[0][2], *ends], np.int64)
+
     def _attention_block(
-        self, layer: Layer, i: int, x, segments, cos, sin, window, attn_scale
+        self, layer: Layer, i: int, x, segments, kv, cos, sin, window, attn_scale
     ) -> None:
         b, c, s = self.backend, self.config, self.scratch
         n = x.shape[0]
@@ -523,12 +560,12 @@ class Transformer:
             b.scale(q, attn_scale)
             attn_scale = 1.0
         attn = s.attn[:n].reshape(n, c.n_heads, c.head_dim)
-        caches = []  # each sequence attends to its own cache
-        for cache, start, r0, rows in segments:
-            r1 = r0 + rows
-            b.write_kv(cache.k[i], cache.v[i], start, k3[r0:r1], v3[r0:r1])
-            caches.append((cache.k[i], cache.v[i], start, r0, rows))
-        b.attention_sequences(q3, caches, window, attn_scale, c.attn_softcap, attn, layer.sinks)
+        k_pool, v_pool = self.pool.k[i], self.pool.v[i]
+        for cache, start, r0, rows in segments:  # each sequence's rows into its own pages
+            b.write_kv(k_pool, v_pool, cache.pages, start, k3[r0 : r0 + rows], v3[r0 : r0 + rows])
+        b.attention_sequences(
+            q3, k_pool, v_pool, *kv, window, attn_scale, c.attn_softcap, attn, layer.sinks
+        )
         o = b.linear(s.attn[:n], layer.wo, s.o[:n])
         if layer.bo is not None:
             b.add_bias(o, layer.bo)
