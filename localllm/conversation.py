@@ -156,6 +156,9 @@ class Conversation:
             from localllm.constrained import json_processor
 
             processors = [*processors, json_processor(self.model, self.json_schema)]
+        # the pool's prefix cache: a conversation this session ran before (a /load of it, the
+        # same system prompt after a different one) starts from its pages
+        self.model.transformer.cache.reuse_best(prompt_ids)
         if self.prompt_cache is not None:
             self.prompt_cache.restore(self.model.transformer.cache, prompt_ids)
         responses = stream_generate(

@@ -10,8 +10,9 @@ known by the hash of its tokens and of every token before it (`page_key`), and a
 starts with the cached pages of the longest prefix of its prompt (`KVCache.adopt`), shared with
 whoever else holds them. A sequence that ends leaves its pages cached, and its last, partial
 page too, for the next turn of a chat that resends the history. A page that nobody holds stays
-cached until its memory is needed, least recently used first. Shared pages are never written:
-a sequence that must write into one (its prompt ends inside it) writes into a copy.
+cached until its memory is needed, least recently used first. Cached or shared pages are never
+written: a sequence that must write into one (its prompt ends or turns inside it) writes into
+a copy.
 """
 
 from __future__ import annotations
@@ -198,10 +199,6 @@ class KVPool:
             if free:
                 self._free.append(page)
 
-    def uncache(self, page: int) -> None:
-        """Make a page that only its one holder holds private (it is about to be written)."""
-        self._uncache(page, free=False)
-
     def lookup(self, key: bytes) -> int | None:
         """The cached full page with this key, or None."""
         self._collect()
@@ -297,12 +294,9 @@ class KVCache:
         first = start // p
         if first < self.n_pages:
             page = int(self.pages[first])
-            if self.pool.shared(page):
-                if self.pool._refs[page] > 1:
-                    self.pages[first] = self.pool.copy(page, start - first * p)
-                    self.pool.drop(page)
-                else:
-                    self.pool.uncache(page)
+            if self.pool.shared(page):  # the cached page stays as it is, for others
+                self.pages[first] = self.pool.copy(page, start - first * p)
+                self.pool.drop(page)
                 del self._keys[first:]
         while self.n_pages * p < start + n:
             self.pages[self.n_pages] = self.pool.allocate()
@@ -318,6 +312,29 @@ class KVCache:
             key = page_key(parent, self.tokens[i * p : (i + 1) * p])
             self._keys.append(key)
             self.pool.cache_full(int(self.pages[i]), key)
+
+    def cached_prefix(self, token_ids: list[int]) -> int:
+        """How many leading token_ids `adopt` would find in the pool now (changing nothing)."""
+        pool, p = self.pool, self.pool.page_tokens
+        parent, n = ROOT, 0
+        while n + p <= len(token_ids):
+            key = page_key(parent, token_ids[n : n + p])
+            if pool.lookup(key) is None:
+                break
+            parent, n = key, n + p
+        if n < len(token_ids) - 1:
+            n += pool.best_tail(parent, token_ids[n:-1])[1]
+        return min(n, max(len(token_ids) - 1, 0))
+
+    def reuse_best(self, token_ids: list[int]) -> int:
+        """Keep what the cache holds of token_ids' prefix, or, where the pool's prefix cache
+        holds more of it (a conversation run before, then left), start from that instead; the
+        positions reused."""
+        have = self.reusable_prefix(token_ids)
+        if self.cached_prefix(token_ids) > have:
+            self.release()
+            return self.adopt(token_ids)
+        return have
 
     def adopt(self, token_ids: list[int]) -> int:
         """Start from the prefix cache: hold the cached pages of the longest prefix of

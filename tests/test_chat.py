@@ -16,7 +16,7 @@ from localllm.chat import ChatSession, WordWrap, terminal_width
 from localllm.conversation import ContextFull, Conversation
 from localllm.describe import format_stats
 from localllm.errors import LocalLLMError
-from localllm.generate import generate
+from localllm.generate import generate, stream_generate
 from localllm.models import load_model
 from localllm.options import Options
 from localllm.prompt import chat_prompt_ids
@@ -103,6 +103,26 @@ def test_stopping_a_reply_keeps_the_partial_text_and_the_next_turn_reuses_the_ca
     # Only the new turn is prefilled: the first prompt and the partial reply come from the cache.
     assert second[-1].cached_tokens > len(first_ids)
     assert [m["role"] for m in conversation.messages] == ["user", "assistant"] * 2
+
+
+def test_a_conversation_run_before_starts_from_the_pools_pages(smollm):
+    """Back to a conversation after another one (a /load of it): its history's pages come from
+    the KV pool's prefix cache, not prefilled again, though the model's cache held the other."""
+    story = "Tell me a long story about a lighthouse keeper, a storm and a lost ship. " * 4
+    first = Conversation(smollm, options=greedy(3))
+    list(first.reply(story))
+    saved = first.to_json()
+    other = Conversation(smollm, options=greedy(3))
+    list(other.reply("Name a colour."))
+    back = Conversation(smollm, options=greedy(1))
+    back.load_json(saved)
+    ids, _ = back.ask("And then?")
+    shared_with_other = smollm.transformer.cache.reusable_prefix(ids)
+    replies = list(back.generate(ids))
+    assert replies[-1].cached_tokens >= 64 > shared_with_other  # a page at least
+    n = replies[-1].generation_tokens  # (the saved options came back with the conversation)
+    alone = stream_generate(smollm, ids, max_tokens=n, cache=smollm.transformer.new_cache())
+    assert "".join(r.text for r in replies) == "".join(r.text for r in alone)  # from no pages
 
 
 def test_stopping_before_any_text_drops_the_turn(smollm):
