@@ -23,11 +23,11 @@ from localllm.quants.activations import Q8_BLOCK_SIZE, round_activations
 from localllm.threads import ThreadTuner, physical_cores
 
 # From this many tokens on (a prompt chunk, a batch of sequences), the integer products take
-# gemm.py's tiles, tokens in the SIMD lanes; below, intdot.py's, weights in the lanes (a tile of
-# 16 token lanes mostly empty costs more than it saves; at 6-7 tokens the two are even, from 8 on
-# the tiles win: a forward of 8 tokens through Qwen2.5-1.5B takes 166-173 ms against 184-193).
-# Both give the same sums.
-TILE_MIN_TOKENS = 8
+# gemm.py's tiles, tokens in the SIMD lanes; below, intdot.py's, weights in the lanes (a tile
+# mostly empty costs more than it saves). With a few tokens in one ymm tile, a batched step of
+# 4 decode rows on qwen2.5-coder-0.5b (2 threads) takes 39.7 ms in tiles against 43.7 in the
+# matvec; at 3 rows the two are even. Both give the same sums.
+TILE_MIN_TOKENS = 4
 
 Array = Any  # float32 arrays where the backend computes: numpy on the CPU, device arrays on CUDA
 

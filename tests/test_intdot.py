@@ -263,14 +263,14 @@ needs_tiles = pytest.mark.skipif(not gemm.AVAILABLE, reason="no vpdpbusd: no pre
 def test_prefill_tiles_equal_the_matvec_bit_for_bit(name):
     """gemm.py's tiles (tokens in the lanes) give every token exactly the matvec's result:
     rows not a multiple of ROWS, tokens not a multiple of the lanes (a pair of tile vectors and
-    a single one), two weights in one call; and a batch of fewer tokens than the lanes (the
-    one-vector kernel of a few sequences' decode rows)."""
+    a single one), two weights in one call; and batches of a few sequences' decode rows (tiles
+    of one zmm, and of one ymm: gemm.TILE_SHAPES)."""
     ggml_type = TYPES[name]
     qt = get_quant_type(ggml_type)
     rng = np.random.default_rng(ggml_type + 1000)
     n_cols = 512 if qt.block_size == 256 else 480
     raws = tuple(read_only(random_weights(name, n, n_cols, rng)) for n in (9, 4))
-    for n_tokens in (2 * gemm.LANES + 5, gemm.LANES - 3):
+    for n_tokens in (2 * gemm.LANES + 5, gemm.LANES - 3, gemm.NARROW_LANES - 3):
         x = rng.standard_normal((n_tokens, n_cols)).astype(np.float32)
         x[3] *= 50.0  # tokens of very different scales side by side
         xq = intdot.activation_buffers(n_tokens, n_cols)
@@ -291,7 +291,7 @@ def test_prefill_tiles_over_several_blocks_of_tokens():
     qt = get_quant_type(ggml_type)
     rng = np.random.default_rng(5)
     n_cols = 4096
-    per_block = max(gemm.MIN_TILES, gemm.TILE_BLOCK_BYTES // gemm.tile_bytes(n_cols))
+    per_block = max(gemm.MIN_TILES, gemm.TILE_BLOCK_BYTES // gemm.tile_bytes(n_cols, gemm.LANES))
     n_tokens = (2 * per_block + 1) * gemm.LANES + 3
     raw = read_only(random_weights("Q4_K", 6, n_cols, rng))
     x = rng.standard_normal((n_tokens, n_cols)).astype(np.float32)

@@ -1,5 +1,5 @@
 """Prefill tiles: integer matrix products with the tokens in the SIMD lanes (vpdpbusd on zmm, or
-ymm with AVX-VNNI alone), for prompts and batches.
+ymm with AVX-VNNI alone; ymm for a batch of up to 8 tokens), for prompts and batches.
 
 intdot.py puts a weight row's columns in the lanes: each vpdpbusd multiplies 32 weights with one
 token, and every 32 weights take a scale multiply and an add per token as well. Here a tile
@@ -13,9 +13,11 @@ Per row group (ROWS rows) and block of tokens:
 
 1. unpack: each row's blocks, read by the type's block reader (blocks.py), become int8 weights
    s (u - offset, or the signed grid level), int32 scales and minimums, and per block the float
-   d (and dmin, fmin) and the correction C = -128 * sum(scale * s), into the thread's scratch;
+   d (and dmin, fmin) and the correction C = -128 * sum(scale * s), into the thread's scratch
+   (the stream ahead prefetched, as intdot.py's matvec does; C's horizontal sums taken 8 at a
+   time by transposing adds: at a few tokens per tile the unpacking is half the work);
 2. tiles: the activations go in as unsigned bytes x + 128 (x ^ 0x80), packed [column group of
-   4][token][4] (`pack_tiles`), so that vpdpbusd(u8 activations, i8 weights) gives
+   4][token][4] (`_pack_tile`), so that vpdpbusd(u8 activations, i8 weights) gives
    sum(s * x) + 128 * sum(s), which C cancels: the block's exact integer sum S, as intdot.py
    computes it. The float steps after it are blocks.py's, the same operations lane by lane:
    a token's outputs are bit-identical to its decode, alone or in any batch.
@@ -48,13 +50,29 @@ from .blocks import (
     splat,
 )
 from .cpu import TILE_LANES
-from .intdot import float_steps, group_at, reduce_add, row_groups
+from .intdot import (
+    PREFETCH_BYTES,
+    float_steps,
+    group_at,
+    prefetch,
+    reduce_add,
+    row_groups,
+    sums_of_8,
+)
 from .kernels import SOURCE_KEY, depends_on
 
 AVAILABLE = TILE_LANES > 0
 LANES = TILE_LANES or 16  # tokens per vector (16 only names the layout where there are no tiles)
 ROWS = 4  # weight rows per tile
 TILE_VECTORS = 2  # vectors of LANES tokens per tile: 4 x 2 x 16 = 128 int32 sums in 8 zmm
+# Tile shapes (lanes, vectors), each a kernel of its own (one holding several compiles the
+# wide one into slower code); a call takes the first that holds all its tokens, else the last.
+# Up to 8 tokens (a few sequences' decode rows): one ymm, since the 256-bit vpdpbusd issues
+# twice per cycle where the 512-bit one issues once (Q5_0 gate+up of qwen2.5-coder-0.5b, 8
+# tokens, one thread: 0.45 ms against 0.59 in a zmm of 16 lanes); up to 16, one zmm (0.62 ms
+# against 0.74 in two ymm tiles); more, TILE_VECTORS of LANES.
+NARROW_LANES = 8
+TILE_SHAPES = tuple(dict.fromkeys(((NARROW_LANES, 1), (LANES, 1), (LANES, TILE_VECTORS))))
 # packed activations per block of tokens; whole tiles, at least MIN_TILES of them: a row's
 # unpacking is paid once per block
 TILE_BLOCK_BYTES = 1 << 20
@@ -129,6 +147,11 @@ class _Unpacker(BlockReader):
         self.scratch, self.row, self.layout = scratch, row, layout
         self.chunks_per_block = chunks_per_block
         self.corr = cgutils.alloca_once_value(builder, ir.Constant(V8I32, None))
+        # 32-weight blocks: (lane sums, block index) until 8 of them are added up together
+        self.deferred = chunks_per_block == 1
+        self.pending = []
+        # blocks of 8 chunks: (lane sums, scale) of each, added up at the block's end
+        self.chunks = [] if chunks_per_block == 8 else None
 
     def weights(self, chunk):
         """<32 x i8>: the chunk's integer weights."""
@@ -157,6 +180,11 @@ class _Unpacker(BlockReader):
             args = [b.bitcast(v, V8I32) for v in (ir.Constant(V8I32, None), ones, weights)]
             sums = self.intrinsic("llvm.x86.avx512.vpdpbusd.256", V8I32, *args)
             scale = item.scale
+            if self.chunks is not None:
+                if scale is not None:
+                    self.store_scale(item.index, scale)
+                self.chunks.append((sums, scale))
+                return
             if scale is not None:
                 lanes = self.splat8i(scale) if scale.type == I32 else scale
                 sums = b.mul(sums, lanes)
@@ -164,9 +192,15 @@ class _Unpacker(BlockReader):
             b.store(b.add(b.load(self.corr), sums), self.corr)
             return
         block = b.udiv(item.index, ir.Constant(I64, self.chunks_per_block))
-        correction = b.mul(reduce_add(self, b.load(self.corr)), ir.Constant(I32, -128))
+        if self.chunks:
+            correction = b.mul(self.block_sum(), ir.Constant(I32, -128))
+            b.store(correction, s.at("corr", self.row, block))
+        elif self.deferred:
+            self.pending.append((b.load(self.corr), block))
+        else:
+            correction = b.mul(reduce_add(self, b.load(self.corr)), ir.Constant(I32, -128))
+            b.store(correction, s.at("corr", self.row, block))
         b.store(ir.Constant(V8I32, None), self.corr)
-        b.store(correction, s.at("corr", self.row, block))
         b.store(item.d, s.at("d", self.row, block))
         if item.mins is not None:
             n = item.mins.type.count
@@ -176,6 +210,61 @@ class _Unpacker(BlockReader):
             b.store(item.dmin, s.at("dmin", self.row, block))
         if item.fmin is not None:
             b.store(item.fmin, s.at("fmin", self.row, block))
+
+    def block_sum(self):
+        """i32: the sum over the block's 8 chunks of scale x weight, from their lane sums (the
+        same integer as scaling each chunk's lanes and adding them up, in fewer instructions:
+        the chunks' sums by transposing adds, then one multiply by their scales)."""
+        b = self.b
+        chunks, self.chunks = self.chunks, []
+        sums = [lanes for lanes, _ in chunks]
+        scales = [scale for _, scale in chunks]
+        if scales[0] is None:
+            total = sums[0]
+            for lanes in sums[1:]:
+                total = b.add(total, lanes)
+            return reduce_add(self, total)
+
+        def lane(scale, k):  # the scale of lane k (a chunk's scale is one i32, or per lane)
+            return scale if scale.type == I32 else b.extract_element(scale, ir.Constant(I32, k))
+
+        def vector(values):
+            v = ir.Constant(V8I32, None)
+            for k, value in enumerate(values):
+                v = b.insert_element(v, value, ir.Constant(I32, k))
+            return v
+
+        if self.layout.sub_cols == 32:  # lane k: chunk k's sum, times its scale
+            return reduce_add(
+                self, b.mul(sums_of_8(self, sums), vector([lane(s, 0) for s in scales]))
+            )
+
+        # 16-weight scales (lanes 0-3 of a chunk, and 4-7): vphaddd of vphaddd gives, for 4
+        # chunks, [lanes 0-3 of each of them, lanes 4-7 of each]
+        def phadd(u, v):
+            return self.intrinsic("llvm.x86.avx2.phadd.d", V8I32, u, v)
+
+        total = ir.Constant(V8I32, None)
+        for four in (slice(0, 4), slice(4, 8)):
+            v, sc = sums[four], scales[four]
+            halves = phadd(phadd(v[0], v[1]), phadd(v[2], v[3]))
+            factors = vector([lane(s, 0) for s in sc] + [lane(s, 4) for s in sc])
+            total = b.add(total, b.mul(halves, factors))
+        return reduce_add(self, total)
+
+    def flush(self):
+        """The corrections of the deferred blocks (consecutive): 8 by one transposing add and
+        one vector store, fewer (a row's last) one by one."""
+        b, s = self.b, self.scratch
+        pending, self.pending = self.pending, []
+        if len(pending) == 8:
+            sums = sums_of_8(self, [lanes for lanes, _ in pending])
+            at = s.at("corr", self.row, pending[0][1])
+            b.store(b.mul(sums, splat(V8I32, -128)), b.bitcast(at, V8I32.as_pointer()), align=4)
+            return
+        for lanes, block in pending:
+            correction = b.mul(reduce_add(self, lanes), ir.Constant(I32, -128))
+            b.store(correction, s.at("corr", self.row, block))
 
     def store_scale(self, c, scale):
         b, s = self.b, self.scratch
@@ -220,11 +309,30 @@ def _unpack(typingctx, ggml_type, w, r0, scratch):
             row = b.select(b.icmp_signed("<", row, n_rows), row, last)
             row_ptr = b.gep(w.data, [b.mul(row, row_bytes)])
             e = _Unpacker(b, scratch, rows.index, read_block.layout, chunks_per_block)
-            with cgutils.for_range(b, n_blocks) as loop:
-                block_ptr = b.gep(row_ptr, [b.mul(loop.index, ir.Constant(I64, qt.type_size))])
-                first = b.mul(loop.index, ir.Constant(I64, chunks_per_block))
-                for item in read_block(e, block_ptr, first):
-                    e.take(item)
+
+            def blocks(first_block, count):
+                """count blocks from first_block on; the stream PREFETCH_BYTES ahead of them
+                prefetched first, a line per 64 bytes, as intdot's matvec does."""
+                start = b.gep(row_ptr, [b.mul(first_block, ir.Constant(I64, qt.type_size))])
+                for line in range(0, count * qt.type_size, 64):
+                    prefetch(b, b.gep(start, [ir.Constant(I64, PREFETCH_BYTES + line)]))
+                for k in range(count):
+                    block = b.add(first_block, ir.Constant(I64, k))
+                    block_ptr = b.gep(row_ptr, [b.mul(block, ir.Constant(I64, qt.type_size))])
+                    first = b.mul(block, ir.Constant(I64, chunks_per_block))
+                    for item in read_block(e, block_ptr, first):
+                        e.take(item)
+                e.flush()
+
+            # 32-weight blocks go 8 at a time (one transposing add for their corrections)
+            group = 8 if e.deferred else 1
+            n_groups = b.udiv(n_blocks, ir.Constant(I64, group))
+            with cgutils.for_range(b, n_groups) as loop:
+                blocks(b.mul(loop.index, ir.Constant(I64, group)), group)
+            if group > 1:  # the row's last blocks, one at a time
+                done = b.mul(n_groups, ir.Constant(I64, group))
+                with cgutils.for_range(b, b.sub(n_blocks, done)) as loop:
+                    blocks(b.add(done, loop.index), 1)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -234,20 +342,19 @@ def _unpack(typingctx, ggml_type, w, r0, scratch):
 
 
 @njit(cache=True)
-def tile_bytes(n_cols):
-    """Bytes of one packed tile of LANES tokens: activations + 128 [n_cols // 4][LANES][4], then
-    per 32 columns dx and xs (f32), the quants' sums of 16 columns in int16 pairs (one pair per
-    32 columns), and of 32 columns (a pair per 64), each [..][LANES] (see _pack_tile)."""
+def tile_bytes(n_cols, lanes):
+    """Bytes of one packed tile of `lanes` tokens: activations + 128 [n_cols // 4][lanes][4],
+    then per 32 columns dx and xs (f32), the quants' sums of 16 columns in int16 pairs (one pair
+    per 32 columns), and of 32 columns (a pair per 64), each [..][lanes] (see _pack_tile)."""
     n32, n64 = n_cols // 32, (n_cols + 63) // 64
-    return LANES * (n_cols + n32 * 12 + n64 * 4)
+    return lanes * (n_cols + n32 * 12 + n64 * 4)
 
 
 @njit(cache=True)
-def _pack_tile(xq, xd, xs, xb, t0, tile):
-    """Tokens t0 .. t0 + LANES - 1 (zeros past the last) into one packed tile (tile_bytes). The
+def _pack_tile(xq, xd, xs, xb, t0, tile, lanes):
+    """Tokens t0 .. t0 + lanes - 1 (zeros past the last) into one packed tile (tile_bytes). The
     sums go in pairs of int16 (|sum| <= 32 * 127) per int32, for vpdpwssd with the minimums."""
     n_tokens, n_cols = xq.shape
-    lanes = LANES
     n32, n64 = n_cols // 32, (n_cols + 63) // 64
     quants = tile[: n_cols * lanes].view(np.uint32)  # 4 quants + 128 per lane and column group
     floats = tile[n_cols * lanes : n_cols * lanes + 8 * n32 * lanes].view(np.float32)
@@ -281,12 +388,11 @@ def _pack_tile(xq, xd, xs, xb, t0, tile):
                 pairs[(n32 + k) * lanes + lane] = 0
 
 
-def _tile_codegen(qt, n_vectors):
-    """The codegen of `_tile` for a type and tile width (see _tile)."""
+def _tile_codegen(qt, n_vectors, lanes):
+    """The codegen of `_tile` for a type and tile shape (see _tile)."""
     read_block = qt.dot_unpacker
     layout = read_block.layout
     block_cols = qt.block_size
-    lanes = LANES
     vi32, vf32 = ir.VectorType(I32, lanes), ir.VectorType(F32, lanes)
     dot_name = f"llvm.x86.avx512.vpdpbusd.{32 * lanes}"
     pairs_name = f"llvm.x86.avx512.vpdpwssd.{32 * lanes}"
@@ -307,7 +413,7 @@ def _tile_codegen(qt, n_vectors):
                      for v in range(n_vectors)]  # fmt: skip
 
         def tile_vector(v, section, index, ty):
-            """<LANES x ty> at element `index` (per lane group) of a tile section."""
+            """<lanes x ty> at element `index` (per lane group) of a tile section."""
             start = {"q": ir.Constant(I64, 0), "dx": b.mul(n_cols, ir.Constant(I64, lanes)),
                      "xs": b.add(b.mul(n_cols, ir.Constant(I64, lanes)),
                                  b.mul(n32, ir.Constant(I64, 4 * lanes))),
@@ -412,43 +518,43 @@ def _tile_codegen(qt, n_vectors):
 
 
 @intrinsic
-def _tile(typingctx, ggml_type, n_vectors, scratch, tiles, k0, n_cols, out, t0, t_end, r0,
+def _tile(typingctx, ggml_type, lanes, n_vectors, scratch, tiles, k0, n_cols, out, t0, t_end, r0,
           n_rows):  # fmt: skip
     """out[t0 + i, r0 + r] = the scratch's unpacked row r . token i of tiles k0 .. k0 +
-    n_vectors - 1, for r < min(ROWS, n_rows) and t0 + i < t_end. ggml_type and n_vectors must
-    be compile-time constants."""
-    if not all(isinstance(v, types.IntegerLiteral) for v in (ggml_type, n_vectors)):
+    n_vectors - 1 (of `lanes` tokens each), for r < min(ROWS, n_rows) and t0 + i < t_end.
+    ggml_type, lanes and n_vectors must be compile-time constants."""
+    if not all(isinstance(v, types.IntegerLiteral) for v in (ggml_type, lanes, n_vectors)):
         return None
     from . import QUANT_TYPES  # the registry imports this module
 
     qt = QUANT_TYPES[ggml_type.literal_value]
-    codegen = _tile_codegen(qt, n_vectors.literal_value)
+    codegen = _tile_codegen(qt, n_vectors.literal_value, lanes.literal_value)
     args = (scratch, tiles, k0, n_cols, out, t0, t_end, r0, n_rows)
-    sig = types.void(ggml_type, n_vectors, *args)
+    sig = types.void(ggml_type, lanes, n_vectors, *args)
 
-    def shifted(context, builder, signature, llargs):  # the codegen's indices skip ggml_type
-        inner = types.void(*signature.args[1:])
-        return codegen(context, builder, inner, llargs[1:])
+    def shifted(context, builder, signature, llargs):  # the codegen's indices skip 2 constants
+        inner = types.void(*signature.args[2:])
+        return codegen(context, builder, inner, llargs[2:])
 
     return sig, shifted
 
 
 def gemm_kernel(ggml_type: int, name: str):
     """The tiled integer matmul for a type whose record names a `dot_unpacker`: the same call as
-    intdot's matvec kernel, for any number of tokens. A batch of at most LANES tokens (the
-    decode rows of a few sequences) takes tiles of one vector, any other TILE_VECTORS: two
-    kernels, since one holding both tile widths compiles the wide one into slower code."""
-    narrow = _gemm_kernel(ggml_type, name, 1)
-    wide = _gemm_kernel(ggml_type, name, TILE_VECTORS)
+    intdot's matvec kernel, for any number of tokens, in the first of TILE_SHAPES that holds
+    them all (each kernel compiles at its first call)."""
+    kernels = [(lanes * n, _gemm_kernel(ggml_type, name, n, lanes)) for lanes, n in TILE_SHAPES]
 
     def gemm(ws, xq, xd, xs, xl, xb, outs):
-        (narrow if xq.shape[0] <= LANES else wide)(ws, xq, xd, xs, xl, xb, outs)
+        n_tokens = xq.shape[0]
+        kernel = next((k for size, k in kernels if n_tokens <= size), kernels[-1][1])
+        kernel(ws, xq, xd, xs, xl, xb, outs)
 
     gemm.__qualname__ = f"gemm_{name}"
     return gemm
 
 
-def _gemm_kernel(ggml_type: int, name: str, n_vectors: int):
+def _gemm_kernel(ggml_type: int, name: str, n_vectors: int, lanes: int):
     source_key = SOURCE_KEY
 
     def gemm(ws, xq, xd, xs, xl, xb, outs):
@@ -457,8 +563,8 @@ def _gemm_kernel(ggml_type: int, name: str, n_vectors: int):
         depends_on(source_key)
         n_tokens, n_cols = xq.shape
         # whole tile calls of n_vectors tiles: the last one padded with tokens of zeros
-        n_tiles = (n_tokens + LANES * n_vectors - 1) // (LANES * n_vectors) * n_vectors
-        size = tile_bytes(n_cols)
+        n_tiles = (n_tokens + lanes * n_vectors - 1) // (lanes * n_vectors) * n_vectors
+        size = tile_bytes(n_cols, lanes)
         per_block = max(MIN_TILES, TILE_BLOCK_BYTES // size // n_vectors * n_vectors)
         tiles = np.empty((min(per_block, n_tiles), size), np.uint8)
         scratch = np.empty((MAX_THREADS, scratch_bytes(n_cols)), np.uint8)
@@ -466,7 +572,7 @@ def _gemm_kernel(ggml_type: int, name: str, n_vectors: int):
         for kb in range(0, n_tiles, per_block):
             n_block = min(per_block, n_tiles - kb)
             for k in prange(n_block):
-                _pack_tile(xq, xd, xs, xb, (kb + k) * LANES, tiles[k])
+                _pack_tile(xq, xd, xs, xb, (kb + k) * lanes, tiles[k], lanes)
             for g in prange(bounds[len(ws)]):
                 i, r0 = group_at(bounds, g, ROWS)
                 w, out = ws[i], outs[i]
@@ -474,9 +580,9 @@ def _gemm_kernel(ggml_type: int, name: str, n_vectors: int):
                 _unpack(ggml_type, w, r0, own)
                 n_rows = w.shape[0] - r0
                 for k in range(0, n_block, n_vectors):
-                    t0 = (kb + k) * LANES
-                    _tile(ggml_type, n_vectors, own, tiles, k, n_cols, out, t0, n_tokens, r0,
-                          n_rows)  # fmt: skip
+                    t0 = (kb + k) * lanes
+                    _tile(ggml_type, lanes, n_vectors, own, tiles, k, n_cols, out, t0, n_tokens,
+                          r0, n_rows)  # fmt: skip
 
-    gemm.__qualname__ = f"gemm_{name}_{n_vectors}"
+    gemm.__qualname__ = f"gemm_{name}_{n_vectors}x{lanes}"
     return njit(parallel=True, cache=True)(gemm)

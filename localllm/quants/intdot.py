@@ -45,6 +45,7 @@ from numba.extending import intrinsic
 from .activations import q8_scale, round_f16
 from .blocks import (
     F32,
+    I8,
     I32,
     I64,
     SIGNED,
@@ -67,6 +68,22 @@ _V16I32 = ir.VectorType(I32, 16)
 def reduce_add(e, v):
     """The sum of an integer vector's lanes (exact)."""
     return e.intrinsic(f"llvm.vector.reduce.add.v{v.type.count}i32", I32, v)
+
+
+def sums_of_8(e, vectors):
+    """<8 x i32>: lane k the sum of the lanes of vectors[k] (8 <8 x i32>), exact: vphaddd per
+    128-bit half (pairs, then quads; u0 holds vectors 0-3, u1 vectors 4-7, each half of their
+    lanes), then the halves added. A transposing add: a sixth of 8 reduce_adds' instructions."""
+    b = e.b
+
+    def phadd(u, v):
+        return e.intrinsic("llvm.x86.avx2.phadd.d", V8I32, u, v)
+
+    pairs = [phadd(vectors[2 * k], vectors[2 * k + 1]) for k in range(4)]
+    u0, u1 = phadd(pairs[0], pairs[1]), phadd(pairs[2], pairs[3])
+    low = b.shuffle_vector(u0, u1, ir.Constant(V8I32, [0, 1, 2, 3, 8, 9, 10, 11]))
+    high = b.shuffle_vector(u0, u1, ir.Constant(V8I32, [4, 5, 6, 7, 12, 13, 14, 15]))
+    return b.add(low, high)
 
 
 def fma(e, a, b, c):
@@ -180,7 +197,7 @@ class _Emitter(BlockReader):
         if len(pending) >= 4:  # a short group padded with zeros
             vectors = [lanes for lanes, _ in pending]
             vectors += [ir.Constant(V8I32, None)] * (8 - len(vectors))
-            sums = self._sums_of_8(vectors)
+            sums = sums_of_8(self, vectors)
             totals = [
                 self.b.extract_element(sums, ir.Constant(I32, k)) for k in range(len(pending))
             ]
@@ -188,20 +205,6 @@ class _Emitter(BlockReader):
             totals = [reduce_add(self, lanes) for lanes, _ in pending]
         for total, (_, end) in zip(totals, pending):
             self.float_steps(row, total, end)
-
-    def _sums_of_8(self, vectors):
-        """<8 x i32>: lane k the sum of vectors[k]'s lanes (vphaddd per 128-bit half: pairs,
-        then quads; u0 holds vectors 0-3, u1 vectors 4-7, each half of their lanes)."""
-        b = self.b
-
-        def phadd(u, v):
-            return self.intrinsic("llvm.x86.avx2.phadd.d", V8I32, u, v)
-
-        pairs = [phadd(vectors[2 * k], vectors[2 * k + 1]) for k in range(4)]
-        u0, u1 = phadd(pairs[0], pairs[1]), phadd(pairs[2], pairs[3])
-        low = b.shuffle_vector(u0, u1, ir.Constant(V8I32, [0, 1, 2, 3, 8, 9, 10, 11]))
-        high = b.shuffle_vector(u0, u1, ir.Constant(V8I32, [4, 5, 6, 7, 12, 13, 14, 15]))
-        return b.add(low, high)
 
     def float_steps(self, row, total, end):
         b = self.b
@@ -235,6 +238,17 @@ class _Emitter(BlockReader):
 # tok/s on 2 threads, the 1.5B the same within noise.
 PREFETCH_BYTES = 16384
 GROUP = 8  # 32-weight blocks per step of the block loop
+
+
+def prefetch(builder, address):
+    """Software prefetch of the cache line at `address` (i8*): read, keep in all cache levels,
+    data."""
+    fn = cgutils.get_or_insert_function(
+        builder.module,
+        ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
+        "llvm.prefetch.p0",
+    )
+    builder.call(fn, [address, *(ir.Constant(I32, v) for v in (0, 3, 1))])
 
 
 def _rows_typer(type_size, chunks_per_block, read_block, n_rows, n_tokens):
@@ -290,11 +304,6 @@ def _rows_typer(type_size, chunks_per_block, read_block, n_rows, n_tokens):
                 for tok in range(n_tokens)
             ]
             e = emitters[0]  # its block reader unpacks the blocks for every token
-            prefetch = cgutils.get_or_insert_function(
-                builder.module,
-                ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), I32, I32, I32]),
-                "llvm.prefetch.p0",
-            )
 
             def blocks(first_block, count):
                 """count blocks from first_block on, for every row, in each row's order."""
@@ -304,8 +313,7 @@ def _rows_typer(type_size, chunks_per_block, read_block, n_rows, n_tokens):
                     # cache levels, data
                     for line in range(0, count * type_size, 64):
                         at = builder.add(offset0, ir.Constant(I64, PREFETCH_BYTES + line))
-                        flags = (ir.Constant(I32, v) for v in (0, 3, 1))
-                        builder.call(prefetch, [builder.gep(row, [at]), *flags])
+                        prefetch(builder, builder.gep(row, [at]))
                     for k in range(count):
                         block = builder.add(first_block, ir.Constant(I64, k))
                         offset = builder.mul(block, ir.Constant(I64, type_size))
