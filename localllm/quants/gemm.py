@@ -54,6 +54,7 @@ from .intdot import (
     PREFETCH_BYTES,
     float_steps,
     group_at,
+    phadd,
     prefetch,
     reduce_add,
     row_groups,
@@ -146,12 +147,11 @@ class _Unpacker(BlockReader):
         super().__init__(builder)
         self.scratch, self.row, self.layout = scratch, row, layout
         self.chunks_per_block = chunks_per_block
-        self.corr = cgutils.alloca_once_value(builder, ir.Constant(V8I32, None))
-        # 32-weight blocks: (lane sums, block index) until 8 of them are added up together
+        self.chunks = []  # the block's chunks so far: (lane sums, scale) of each
+        # blocks of one chunk: (its scaled lane sums, block index) until 8 of them are added up
+        # together (flush)
         self.deferred = chunks_per_block == 1
         self.pending = []
-        # blocks of 8 chunks: (lane sums, scale) of each, added up at the block's end
-        self.chunks = [] if chunks_per_block == 8 else None
 
     def weights(self, chunk):
         """<32 x i8>: the chunk's integer weights."""
@@ -175,32 +175,23 @@ class _Unpacker(BlockReader):
             weights = self.weights(item)
             at = s.at("s", self.row, b.mul(item.index, ir.Constant(I64, 32)))
             b.store(weights, b.bitcast(at, V32I8.as_pointer()), align=1)
-            # per lane: the sum of its 4 weights (vpdpbusd with unsigned ones), times the scale
+            # per lane: the sum of its 4 weights (vpdpbusd with unsigned ones); scaled at the
+            # block's end
             ones = splat(V32I8, 1)
             args = [b.bitcast(v, V8I32) for v in (ir.Constant(V8I32, None), ones, weights)]
             sums = self.intrinsic("llvm.x86.avx512.vpdpbusd.256", V8I32, *args)
-            scale = item.scale
-            if self.chunks is not None:
-                if scale is not None:
-                    self.store_scale(item.index, scale)
-                self.chunks.append((sums, scale))
-                return
-            if scale is not None:
-                lanes = self.splat8i(scale) if scale.type == I32 else scale
-                sums = b.mul(sums, lanes)
-                self.store_scale(item.index, scale)
-            b.store(b.add(b.load(self.corr), sums), self.corr)
+            if item.scale is not None:
+                self.store_scale(item.index, item.scale)
+            self.chunks.append((sums, item.scale))
             return
         block = b.udiv(item.index, ir.Constant(I64, self.chunks_per_block))
-        if self.chunks:
+        if self.deferred:
+            ((sums, scale),) = self.chunks
+            self.chunks = []
+            self.pending.append((sums if scale is None else b.mul(sums, self.lanes(scale)), block))
+        else:
             correction = b.mul(self.block_sum(), ir.Constant(I32, -128))
             b.store(correction, s.at("corr", self.row, block))
-        elif self.deferred:
-            self.pending.append((b.load(self.corr), block))
-        else:
-            correction = b.mul(reduce_add(self, b.load(self.corr)), ir.Constant(I32, -128))
-            b.store(correction, s.at("corr", self.row, block))
-        b.store(ir.Constant(V8I32, None), self.corr)
         b.store(item.d, s.at("d", self.row, block))
         if item.mins is not None:
             n = item.mins.type.count
@@ -211,18 +202,23 @@ class _Unpacker(BlockReader):
         if item.fmin is not None:
             b.store(item.fmin, s.at("fmin", self.row, block))
 
+    def lanes(self, scale):
+        """<8 x i32>: a chunk's scale (one i32, or one per lane) in every lane."""
+        return self.splat8i(scale) if scale.type == I32 else scale
+
     def block_sum(self):
-        """i32: the sum over the block's 8 chunks of scale x weight, from their lane sums (the
-        same integer as scaling each chunk's lanes and adding them up, in fewer instructions:
-        the chunks' sums by transposing adds, then one multiply by their scales)."""
+        """i32: the sum over the block's chunks of scale x weight, from their lane sums. For 8
+        chunks, the same integer as scaling each chunk's lanes and adding them up in fewer
+        instructions: the chunks' sums by transposing adds, then one multiply by their
+        scales."""
         b = self.b
         chunks, self.chunks = self.chunks, []
         sums = [lanes for lanes, _ in chunks]
         scales = [scale for _, scale in chunks]
-        if scales[0] is None:
-            total = sums[0]
-            for lanes in sums[1:]:
-                total = b.add(total, lanes)
+        if scales[0] is None or len(chunks) != 8:
+            total = ir.Constant(V8I32, None)
+            for lanes, scale in chunks:
+                total = b.add(total, lanes if scale is None else b.mul(lanes, self.lanes(scale)))
             return reduce_add(self, total)
 
         def lane(scale, k):  # the scale of lane k (a chunk's scale is one i32, or per lane)
@@ -241,13 +237,10 @@ class _Unpacker(BlockReader):
 
         # 16-weight scales (lanes 0-3 of a chunk, and 4-7): vphaddd of vphaddd gives, for 4
         # chunks, [lanes 0-3 of each of them, lanes 4-7 of each]
-        def phadd(u, v):
-            return self.intrinsic("llvm.x86.avx2.phadd.d", V8I32, u, v)
-
         total = ir.Constant(V8I32, None)
         for four in (slice(0, 4), slice(4, 8)):
             v, sc = sums[four], scales[four]
-            halves = phadd(phadd(v[0], v[1]), phadd(v[2], v[3]))
+            halves = phadd(self, phadd(self, v[0], v[1]), phadd(self, v[2], v[3]))
             factors = vector([lane(s, 0) for s in sc] + [lane(s, 4) for s in sc])
             total = b.add(total, b.mul(halves, factors))
         return reduce_add(self, total)

@@ -70,17 +70,18 @@ def reduce_add(e, v):
     return e.intrinsic(f"llvm.vector.reduce.add.v{v.type.count}i32", I32, v)
 
 
+def phadd(e, u, v):
+    """vphaddd of two <8 x i32>: [u0+u1, u2+u3, v0+v1, v2+v3, u4+u5, u6+u7, v4+v5, v6+v7]."""
+    return e.intrinsic("llvm.x86.avx2.phadd.d", V8I32, u, v)
+
+
 def sums_of_8(e, vectors):
     """<8 x i32>: lane k the sum of the lanes of vectors[k] (8 <8 x i32>), exact: vphaddd per
     128-bit half (pairs, then quads; u0 holds vectors 0-3, u1 vectors 4-7, each half of their
     lanes), then the halves added. A transposing add: a sixth of 8 reduce_adds' instructions."""
     b = e.b
-
-    def phadd(u, v):
-        return e.intrinsic("llvm.x86.avx2.phadd.d", V8I32, u, v)
-
-    pairs = [phadd(vectors[2 * k], vectors[2 * k + 1]) for k in range(4)]
-    u0, u1 = phadd(pairs[0], pairs[1]), phadd(pairs[2], pairs[3])
+    pairs = [phadd(e, vectors[2 * k], vectors[2 * k + 1]) for k in range(4)]
+    u0, u1 = phadd(e, pairs[0], pairs[1]), phadd(e, pairs[2], pairs[3])
     low = b.shuffle_vector(u0, u1, ir.Constant(V8I32, [0, 1, 2, 3, 8, 9, 10, 11]))
     high = b.shuffle_vector(u0, u1, ir.Constant(V8I32, [4, 5, 6, 7, 12, 13, 14, 15]))
     return b.add(low, high)
