@@ -313,17 +313,29 @@ class KVCache:
             self._keys.append(key)
             self.pool.cache_full(int(self.pages[i]), key)
 
+    def _cached(self, token_ids: list[int]) -> tuple[list[tuple[bytes, int]], int | None, int]:
+        """What the pool caches of token_ids' longest prefix, changing nothing: (key, page) of
+        each full page in order, then the partial page after them that shares the most of the
+        rest but the last token (None if none) and how many tokens it shares."""
+        pool, p = self.pool, self.pool.page_tokens
+        full, parent = [], ROOT
+        while (len(full) + 1) * p <= len(token_ids):
+            i = len(full)
+            key = page_key(parent, token_ids[i * p : (i + 1) * p])
+            page = pool.lookup(key)
+            if page is None:
+                break
+            full.append((key, page))
+            parent = key
+        n = len(full) * p
+        if n < len(token_ids) - 1:
+            return full, *pool.best_tail(parent, token_ids[n:-1])
+        return full, None, 0
+
     def cached_prefix(self, token_ids: list[int]) -> int:
         """How many leading token_ids `adopt` would find in the pool now (changing nothing)."""
-        pool, p = self.pool, self.pool.page_tokens
-        parent, n = ROOT, 0
-        while n + p <= len(token_ids):
-            key = page_key(parent, token_ids[n : n + p])
-            if pool.lookup(key) is None:
-                break
-            parent, n = key, n + p
-        if n < len(token_ids) - 1:
-            n += pool.best_tail(parent, token_ids[n:-1])[1]
+        full, _, shared = self._cached(token_ids)
+        n = len(full) * self.pool.page_tokens + shared
         return min(n, max(len(token_ids) - 1, 0))
 
     def reuse_best(self, token_ids: list[int]) -> int:
@@ -341,27 +353,18 @@ class KVCache:
         token_ids (a partial page taken over), and return how many positions now hold them
         (at most len(token_ids) - 1, see reusable_prefix)."""
         self.clear()
-        pool, p = self.pool, self.pool.page_tokens
-        parent = ROOT
-        while (self.n_pages + 1) * p <= len(token_ids):
-            i = self.n_pages
-            key = page_key(parent, token_ids[i * p : (i + 1) * p])
-            page = pool.lookup(key)
-            if page is None:
-                break
+        pool = self.pool
+        full, tail, shared = self._cached(token_ids)
+        for key, page in full:
             pool.hold(page)
-            self.pages[i] = page
+            self.pages[self.n_pages] = page
             self.n_pages += 1
             self._keys.append(key)
-            self.tokens.extend(token_ids[i * p : (i + 1) * p])
-            parent = key
-        if len(self.tokens) < len(token_ids) - 1:
-            page, n = pool.best_tail(parent, token_ids[len(self.tokens) : -1])
-            if page is not None:
-                pool.take_tail(page)
-                self.pages[self.n_pages] = page
-                self.n_pages += 1
-                self.tokens.extend(token_ids[len(self.tokens) : len(self.tokens) + n])
+        self.tokens.extend(token_ids[: len(full) * pool.page_tokens + shared])
+        if tail is not None:
+            pool.take_tail(tail)
+            self.pages[self.n_pages] = tail
+            self.n_pages += 1
         self.trim(min(len(self.tokens), max(len(token_ids) - 1, 0)))
         return self.n_past
 
