@@ -80,6 +80,26 @@ def test_matvec_matches_reference(name, n_rows):
 
 
 @pytest.mark.parametrize("name", sorted(TYPES))
+def test_activations_at_full_scale_with_the_weights_signs(name):
+    """The largest sums a lane can hold: every activation quant at 127 with its weight's sign.
+    The narrow types (Layout.narrow) multiply each lane's sum of 4 products by its scale in
+    int16 pairs (vpmaddwd): a type whose levels left +-64 would overflow there and fail."""
+    ggml_type = TYPES[name]
+    rng = np.random.default_rng(ggml_id(name) + 5)
+    n_cols = 1024 if get_quant_type(ggml_type).block_size == 256 else 480
+    raw = read_only(random_weights(name, 12, n_cols, rng))
+    w = dequantize(raw, ggml_type)
+    for r in range(raw.shape[0]):
+        x = np.where(w[r] < 0, -1.0, 1.0).astype(np.float32)[None]
+        xq = quantized(x, ggml_type)
+        assert np.abs(xq[0]).min() == 127
+        expected = reference(raw[r : r + 1], ggml_type, x, xq)
+        out = np.full((1, 1), np.nan, np.float32)
+        get_quant_type(ggml_type).int_matvec((raw[r : r + 1],), *xq, (out,))
+        np.testing.assert_allclose(out, expected, rtol=0, atol=2e-6 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
 def test_integer_and_float_kernels_agree(name):
     """The two paths a CPU may take: the integer one here, the float one on rounded activations
     (what a CPU without VNNI runs)."""

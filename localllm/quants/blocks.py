@@ -97,11 +97,20 @@ class BlockEnd(NamedTuple):
 @dataclass(frozen=True)
 class Layout:
     """How a reader's scales fall: columns per integer scale (16 or 32; 0: none, the chunks'
-    scale is None), per integer minimum (BlockEnd.mins; 0: none), and whether BlockEnd has fmin."""
+    scale is None), per integer minimum (BlockEnd.mins; 0: none), and whether BlockEnd has fmin.
+    narrow: every integer weight (u - offset, or u with its sign) is within +-64, so that a
+    lane's 4 products with int8 activations (|x| <= 127) sum within int16 and its scale can
+    multiply it in vpmaddwd (intdot.py). paired (narrow types only): with 512-bit registers
+    the one-token kernel takes the scaled chunks two to a zmm; measured, it pays where a chunk's
+    offset and 16-weight scales cost as much as its unpacking (Q6_K 23 -> 36 G MAC/s, Q2_K 27 ->
+    34, one thread), and loses where the unpacking is a byte op or two (Q4_K 34 -> 30) or a grid
+    gather with ymm-only sign steps (IQ2_XS 15 -> 11)."""
 
     sub_cols: int = 0
     min_cols: int = 0
     float_min: bool = False
+    narrow: bool = False
+    paired: bool = False
 
 
 def layout(**fields):
@@ -287,17 +296,17 @@ def _k_asymmetric(e, blk, c0, quants_at, high_bits_at):
     yield BlockEnd(c0, e.f16(blk, 0), mins, b.fneg(e.f16(blk, 2)))
 
 
-@layout(sub_cols=32, min_cols=32)
+@layout(sub_cols=32, min_cols=32, narrow=True)
 def q4_k(e, blk, c0):
     return _k_asymmetric(e, blk, c0, quants_at=16, high_bits_at=0)
 
 
-@layout(sub_cols=32, min_cols=32)
+@layout(sub_cols=32, min_cols=32, narrow=True)
 def q5_k(e, blk, c0):
     return _k_asymmetric(e, blk, c0, quants_at=48, high_bits_at=16)
 
 
-@layout(sub_cols=16)
+@layout(sub_cols=16, narrow=True, paired=True)
 def q6_k(e, blk, c0):
     """ql[128] | qh[64] | scales int8[16] | d f16: w = d * sc * (q - 32), 16-weight scales."""
     b = e.b
@@ -329,7 +338,7 @@ def _crumbs(e, blk, offset, h, j):
     return e.b.and_(e.b.lshr(q, splat(V32I8, 2 * j)), splat(V32I8, 3))
 
 
-@layout(sub_cols=16, min_cols=16)
+@layout(sub_cols=16, min_cols=16, narrow=True, paired=True)
 def q2_k(e, blk, c0):
     """scales[16] (4-bit scale | 4-bit min << 4) | qs[64] | d f16 | dmin f16:
     w = d * sc * q - dmin * m per 16 weights, q 2 bits."""
@@ -363,7 +372,7 @@ def _q3_k_scales(e, blk):
     return scales
 
 
-@layout(sub_cols=16)
+@layout(sub_cols=16, narrow=True, paired=True)
 def q3_k(e, blk, c0):
     """hmask[32] | qs[64] | scales[12] (16 x 6 bits) | d f16: w = d * (sc - 32) * (q - 4) per 16
     weights, q = 2 low bits | (hmask bit) << 2."""
@@ -445,7 +454,7 @@ def iq4_xs(e, blk, c0):
 # ---- grid types: indices into ggml's tables of 4 or 8 levels, a sign bit per weight
 
 
-@layout(sub_cols=32)
+@layout(sub_cols=32, narrow=True)
 def iq3_s(e, blk, c0):
     """d f16 | qs[64] | qh[8] | signs[32] | scales[4]: w = d * (1 + 2 * scale) * level * sign
     (see iquants.py). Per 32 weights: 8 9-bit grid indices -> one vpgatherdd of 8 x 4 levels,
@@ -490,7 +499,7 @@ def _odd_halves(e, byte):
     return b.or_(b.shl(nibbles, splat(V8I32, 1)), splat(V8I32, 1))
 
 
-@layout(sub_cols=32)
+@layout(sub_cols=32, narrow=True)
 def iq3_xxs(e, blk, c0):
     """d f16 | qs[64] | 8 x u32 (4 x 7 sign bits, scale s in bits 28-31): w = d * (2s + 1) / 4 *
     level * sign (see iquants.py): one vpgatherdd of 8 grid entries per 32 weights, the sign
@@ -510,7 +519,7 @@ def _iq2_grid_table(e, name, grid):
     return e.table(name, grid.view("<u8").reshape(-1), I64)
 
 
-@layout(sub_cols=32)
+@layout(sub_cols=32, narrow=True)
 def iq2_xxs(e, blk, c0):
     """d f16 | 8 x (u32 of 4 grid indices, u32 of 4 x 7 sign bits and a scale s in bits 28-31):
     w = d * (2s + 1) / 8 * level * sign. Per 32 weights one vpgatherdq of 4 grid entries of 8
@@ -527,7 +536,7 @@ def iq2_xxs(e, blk, c0):
     yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
 
 
-@layout(sub_cols=16)
+@layout(sub_cols=16, narrow=True)
 def iq2_xs(e, blk, c0):
     """d f16 | qs u16[32] (9-bit grid index | 7 sign bits << 9, per 8 weights) | scales[8] (4
     bits per 16 weights): w = d * (2s + 1) / 8 * level * sign."""
@@ -541,7 +550,7 @@ def iq2_xs(e, blk, c0):
     yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
 
 
-@layout(sub_cols=16)
+@layout(sub_cols=16, narrow=True)
 def iq2_s(e, blk, c0):
     """d f16 | qs[32] | signs[32] | qh[8] | scales[8]: per 8 weights a 10-bit grid index (qs,
     2 bits of qh), a sign bit per weight, 4-bit scales per 16: w = d * (2s + 1) / 8 * level *
@@ -566,7 +575,7 @@ def _iq1_table(e):
     return e.table("iq1_grid", levels.view("<u8").reshape(-1), I64)
 
 
-@layout(sub_cols=32)
+@layout(sub_cols=32, narrow=True)
 def iq1_s(e, blk, c0):
     """d f16 | qs[32] | qh u16[8] (4 x 3 high index bits, scale s, the delta's sign): w = d *
     (2s + 1) * (level +- 1/8), here d / 8 * (2s + 1) * (8 * (level + 1) - (7 or 9))."""
@@ -584,7 +593,7 @@ def iq1_s(e, blk, c0):
     yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
 
 
-@layout(sub_cols=16)
+@layout(sub_cols=16, narrow=True)
 def iq1_m(e, blk, c0):
     """qs[32] | qh[16] (per 8 weights a nibble: 3 high index bits, the delta's sign) | scales
     u16[4] (3-bit scales per 16 weights, the f16 d in the top nibbles): as IQ1_S, with an offset

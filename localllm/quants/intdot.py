@@ -56,12 +56,13 @@ from .blocks import (
     Signs,
     splat,
 )
-from .cpu import INSTRUCTION_SET, choose_instruction_set, host_features
+from .cpu import INSTRUCTION_SET, TILE_LANES, choose_instruction_set, host_features
 from .kernels import SOURCE_KEY, depends_on
 
 __all__ = ["INSTRUCTION_SET", "AVAILABLE", "choose_instruction_set", "host_features"]
 
 AVAILABLE = INSTRUCTION_SET is not None
+ZMM = TILE_LANES == 16  # 512-bit registers usable (Layout.paired)
 _V16I32 = ir.VectorType(I32, 16)
 
 
@@ -120,13 +121,19 @@ class _Emitter(BlockReader):
     """The dot products of a few weight rows with one token's activations: a block reader's
     chunks in, one float per row out (`result`)."""
 
-    def __init__(self, builder, n_rows, xq, xd, xs, xl, xb, deferred):
+    def __init__(self, builder, n_rows, xq, xd, xs, xl, xb, deferred, layout):
         super().__init__(builder)
+        self.narrow = layout.narrow  # scaled chunks' lane sums fit int16
+        self.paired = ZMM and layout.paired  # and go two to a zmm
         self.xq, self.xd, self.xs, self.xl, self.xb = xq, xd, xs, xl, xb  # i8*, f32*, f32*, i32*
         self.iacc = [cgutils.alloca_once_value(builder, ir.Constant(V8I32, None))
                      for _ in range(n_rows)]  # fmt: skip
         self.acc = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
                     for _ in range(n_rows)]  # fmt: skip
+        if self.paired:  # pairs of chunks: their sums, and a chunk waiting for its pair
+            self.iacc16 = [cgutils.alloca_once_value(builder, ir.Constant(_V16I32, None))
+                           for _ in range(n_rows)]  # fmt: skip
+            self.held = [None] * n_rows
         # 32-weight blocks: (lanes, BlockEnd) until 8 of them can be added up together
         self.deferred = deferred
         self.pending = [[] for _ in range(n_rows)]
@@ -139,12 +146,15 @@ class _Emitter(BlockReader):
 
     def dot(self, init, u, x):
         """init + (per lane of 4 bytes: the sum of u * x), u <32 x u8> (< 128 for avx2, which
-        adds pairs in saturating int16), x <32 x i8> (> -128)."""
+        adds pairs in saturating int16), x <32 x i8> (> -128); or, paired, <16 x i32> init and
+        <64 x i8> u and x: two chunks in one zmm."""
         b = self.b
-        u, x = b.bitcast(u, V32I8), b.bitcast(x, V32I8)
+        n = init.type.count
         if INSTRUCTION_SET == "vnni":
-            args = [b.bitcast(v, V8I32) for v in (init, u, x)]
-            return self.intrinsic("llvm.x86.avx512.vpdpbusd.256", V8I32, *args)
+            vec = ir.VectorType(I32, n)
+            args = [b.bitcast(v, vec) for v in (init, u, x)]
+            return self.intrinsic(f"llvm.x86.avx512.vpdpbusd.{32 * n}", vec, *args)
+        u, x = b.bitcast(u, V32I8), b.bitcast(x, V32I8)
         pairs = self.intrinsic("llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(ir.IntType(16), 16), u, x)
         ones = splat(ir.VectorType(ir.IntType(16), 16), 1)
         return b.add(init, self.intrinsic("llvm.x86.avx2.pmadd.wd", V8I32, pairs, ones))
@@ -154,36 +164,76 @@ class _Emitter(BlockReader):
         lanes = self.b.gep(self.xl, [self.b.mul(c, ir.Constant(c.type, 8))])
         return self.b.load(self.b.bitcast(lanes, V8I32.as_pointer()), align=4)
 
-    def accumulate(self, row, chunk):
-        """iacc += scale * (the chunk's weights . the activations), in integers."""
+    def operands(self, chunk):
+        """(init, u, x) of a chunk, whose integer dot product is dot(init, u, x)."""
         b = self.b
-        c, u, offset, scale = chunk
+        c, u, offset, _ = chunk
         x = b.bitcast(self.load(self.xq, b.mul(c, ir.Constant(c.type, 32)), V8I32), V32I8)
         zero = ir.Constant(V8I32, None)
         if isinstance(offset, Signs):  # levels < 128: exact in either instruction set
-            isum = self.dot(zero, u, self.sign(x, offset.mask))
-        elif offset == SIGNED and INSTRUCTION_SET == "avx2":
+            return zero, u, self.sign(x, offset.mask)
+        if offset == SIGNED and INSTRUCTION_SET == "avx2":
             # ggml's sign trick: |w| * (x with w's sign), |w| <= 128 keeps the pairs in int16
-            isum = self.dot(zero, self.sign(u, u), self.sign(x, u))
-        else:
-            if offset == SIGNED:  # unsigned levels w + 128 for vpdpbusd, 128 subtracted below
-                u, offset = b.xor(u, splat(V32I8, 0x80)), 128
-            init = zero
-            if isinstance(offset, ir.Value):  # an offset of this chunk (i32) or of each lane
-                if offset.type == I32:
-                    offset = self.splat8i(offset)
-                init = b.mul(self.lane_sums(c), b.neg(offset))
-            elif offset:  # -offset * (sum of the 4 activations of each lane)
-                init = b.mul(self.lane_sums(c), splat(V8I32, -offset))
-            isum = self.dot(init, u, x)
-        if scale is not None:
-            isum = b.mul(isum, self.splat8i(scale) if scale.type == I32 else scale)
-        b.store(b.add(b.load(self.iacc[row]), isum), self.iacc[row])
+            return zero, self.sign(u, u), self.sign(x, u)
+        if offset == SIGNED:  # unsigned levels w + 128 for vpdpbusd, 128 subtracted below
+            u, offset = b.xor(u, splat(V32I8, 0x80)), 128
+        if isinstance(offset, ir.Value):  # an offset of this chunk (i32) or of each lane
+            if offset.type == I32:
+                offset = self.splat8i(offset)
+            return b.mul(self.lane_sums(c), b.neg(offset)), u, x
+        if offset:  # -offset * (sum of the 4 activations of each lane)
+            return b.mul(self.lane_sums(c), splat(V8I32, -offset)), u, x
+        return zero, u, x
+
+    def accumulate(self, row, chunk):
+        """iacc += scale * (the chunk's weights . the activations), in integers. A paired type's
+        scaled chunks go two at a time, each pair one 512-bit dot product."""
+        b = self.b
+        init, u, x = self.operands(chunk)
+        scale = chunk.scale
+        if scale is None:
+            b.store(b.add(b.load(self.iacc[row]), self.dot(init, u, x)), self.iacc[row])
+            return
+        scale = self.splat8i(scale) if scale.type == I32 else scale
+        if not self.narrow:
+            isum = b.mul(self.dot(init, u, x), scale)
+            b.store(b.add(b.load(self.iacc[row]), isum), self.iacc[row])
+            return
+        if self.paired:
+            held, self.held[row] = self.held[row], None
+            if held is None:
+                self.held[row] = (init, u, x, scale)
+                return
+            init, u, x, scale = (self.concat(a, c) for a, c in zip(held, (init, u, x, scale)))
+        iacc = self.iacc16[row] if self.paired else self.iacc[row]
+        b.store(self.scale_add(b.load(iacc), self.dot(init, u, x), scale), iacc)
+
+    def scale_add(self, acc, isum, scale):
+        """acc + isum * scale per lane (<8 or 16 x i32>), for |isum| < 2**15 and int16 scales:
+        the scale as the low half of an int16 pair whose high half is 0, so that vpmaddwd
+        multiplies it with isum's low half (isum's high half, its sign, meets the 0). Two uops
+        where vpmulld + vpaddd take three (LLVM emits these for vpdpwssd too)."""
+        b = self.b
+        n = acc.type.count
+        v_i16 = ir.VectorType(ir.IntType(16), 2 * n)
+        pair = b.bitcast(b.and_(scale, splat(acc.type, 0xFFFF)), v_i16)
+        name = "llvm.x86.avx2.pmadd.wd" if n == 8 else "llvm.x86.avx512.pmaddw.d.512"
+        return b.add(acc, self.intrinsic(name, acc.type, b.bitcast(isum, v_i16), pair))
 
     def end_block(self, row, end):
         b = self.b
         lanes = b.load(self.iacc[row])
         b.store(ir.Constant(V8I32, None), self.iacc[row])
+        if self.paired:
+            if self.held[row] is not None:  # an odd chunk out: alone, in a ymm
+                init, u, x, scale = self.held[row]
+                self.held[row] = None
+                lanes = self.scale_add(lanes, self.dot(init, u, x), scale)
+            wide = b.load(self.iacc16[row])
+            b.store(ir.Constant(_V16I32, None), self.iacc16[row])
+            halves = [b.shuffle_vector(wide, wide, ir.Constant(V8I32, list(range(h, h + 8))))
+                      for h in (0, 8)]  # fmt: skip
+            lanes = b.add(lanes, b.add(*halves))
         if self.deferred:
             self.pending[row].append((lanes, end))
             if len(self.pending[row]) == 8:
@@ -238,18 +288,27 @@ class _Emitter(BlockReader):
 # with 8 KiB and 16.4 with 16 KiB on one thread; the 8B shape decoded at 7.2-7.3 against 7.8-8.4
 # tok/s on 2 threads, the 1.5B the same within noise.
 PREFETCH_BYTES = 16384
+# In two steps: the far prefetch into L2 only (prefetcht2), a near one NEAR_PREFETCH_BYTES ahead
+# from L2 into L1 (prefetcht0). A prefetch into L1 holds one of the core's few L1 fill buffers
+# until its line arrives, so all of them from DRAM capped the lines in flight: 400 MB of random
+# blocks, 2 threads, the plain read of the same bytes at 31-34 GB/s, streamed Q6_K 24.7 -> 28.9
+# GB/s and Q4_K 21.2 -> 24.0; the real 1.5B decoded 19.1 / 20.1 -> 20.7 / 21.2 tok/s. Further (32,
+# 64 KiB) or nearer (256 B to 2 KiB) was no better.
+NEAR_PREFETCH_BYTES = 512
+L2, ALL_LEVELS = 1, 3  # llvm.prefetch's locality: prefetcht2, prefetcht0
+
 GROUP = 8  # 32-weight blocks per step of the block loop
 
 
-def prefetch(builder, address):
-    """Software prefetch of the cache line at `address` (i8*): read, keep in all cache levels,
-    data."""
+def prefetch(builder, address, locality=ALL_LEVELS):
+    """Software prefetch of the cache line at `address` (i8*): read, data, into the caches
+    `locality` names (ALL_LEVELS, or L2 and beyond)."""
     fn = cgutils.get_or_insert_function(
         builder.module,
         ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
         "llvm.prefetch.p0",
     )
-    builder.call(fn, [address, *(ir.Constant(I32, v) for v in (0, 3, 1))])
+    builder.call(fn, [address, *(ir.Constant(I32, v) for v in (0, locality, 1))])
 
 
 def _rows_typer(type_size, chunks_per_block, read_block, n_rows, n_tokens):
@@ -301,6 +360,7 @@ def _rows_typer(type_size, chunks_per_block, read_block, n_rows, n_tokens):
                     n_rows,
                     *(token_row(k, tok) for k in (3, 4, 5, 6, 7)),
                     deferred=chunks_per_block == 1,
+                    layout=read_block.layout,
                 )  # fmt: skip
                 for tok in range(n_tokens)
             ]
@@ -310,11 +370,13 @@ def _rows_typer(type_size, chunks_per_block, read_block, n_rows, n_tokens):
                 """count blocks from first_block on, for every row, in each row's order."""
                 offset0 = builder.mul(first_block, ir.Constant(I64, type_size))
                 for i, row in enumerate(rows):
-                    # every cache line of these blocks PREFETCH_BYTES ahead: read, keep in all
-                    # cache levels, data
+                    # every cache line of these blocks PREFETCH_BYTES ahead into L2, and
+                    # NEAR_PREFETCH_BYTES ahead into L1
                     for line in range(0, count * type_size, 64):
-                        at = builder.add(offset0, ir.Constant(I64, PREFETCH_BYTES + line))
-                        prefetch(builder, builder.gep(row, [at]))
+                        for ahead, locality in ((PREFETCH_BYTES, L2),
+                                                (NEAR_PREFETCH_BYTES, ALL_LEVELS)):  # fmt: skip
+                            at = builder.add(offset0, ir.Constant(I64, ahead + line))
+                            prefetch(builder, builder.gep(row, [at]), locality)
                     for k in range(count):
                         block = builder.add(first_block, ir.Constant(I64, k))
                         offset = builder.mul(block, ir.Constant(I64, type_size))
