@@ -51,11 +51,10 @@ from .blocks import (
 )
 from .cpu import TILE_LANES
 from .intdot import (
-    PREFETCH_BYTES,
     float_steps,
     group_at,
     phadd,
-    prefetch,
+    prefetch_stream,
     reduce_add,
     row_groups,
     sums_of_8,
@@ -304,11 +303,10 @@ def _unpack(typingctx, ggml_type, w, r0, scratch):
             e = _Unpacker(b, scratch, rows.index, read_block.layout, chunks_per_block)
 
             def blocks(first_block, count):
-                """count blocks from first_block on; the stream PREFETCH_BYTES ahead of them
-                prefetched first, a line per 64 bytes, as intdot's matvec does."""
+                """count blocks from first_block on; the stream ahead of them prefetched first,
+                as intdot's matvec does."""
                 start = b.gep(row_ptr, [b.mul(first_block, ir.Constant(I64, qt.type_size))])
-                for line in range(0, count * qt.type_size, 64):
-                    prefetch(b, b.gep(start, [ir.Constant(I64, PREFETCH_BYTES + line)]))
+                prefetch_stream(b, start, count * qt.type_size)
                 for k in range(count):
                     block = b.add(first_block, ir.Constant(I64, k))
                     block_ptr = b.gep(row_ptr, [b.mul(block, ir.Constant(I64, qt.type_size))])

@@ -311,6 +311,14 @@ def prefetch(builder, address, locality=ALL_LEVELS):
     builder.call(fn, [address, *(ir.Constant(I32, v) for v in (0, locality, 1))])
 
 
+def prefetch_stream(builder, start, n_bytes):
+    """Prefetch what follows the n_bytes of weights at `start` (i8*) in a thread's stream: each
+    of their cache lines PREFETCH_BYTES ahead into L2, and NEAR_PREFETCH_BYTES ahead into L1."""
+    for line in range(0, n_bytes, 64):
+        for ahead, locality in ((PREFETCH_BYTES, L2), (NEAR_PREFETCH_BYTES, ALL_LEVELS)):
+            prefetch(builder, builder.gep(start, [ir.Constant(I64, ahead + line)]), locality)
+
+
 def _rows_typer(type_size, chunks_per_block, read_block, n_rows, n_tokens):
     """The typing function of a Numba intrinsic `rows(w, r0, t0, xq, xd, xs, xl, xb, out)`:
 
@@ -370,13 +378,7 @@ def _rows_typer(type_size, chunks_per_block, read_block, n_rows, n_tokens):
                 """count blocks from first_block on, for every row, in each row's order."""
                 offset0 = builder.mul(first_block, ir.Constant(I64, type_size))
                 for i, row in enumerate(rows):
-                    # every cache line of these blocks PREFETCH_BYTES ahead into L2, and
-                    # NEAR_PREFETCH_BYTES ahead into L1
-                    for line in range(0, count * type_size, 64):
-                        for ahead, locality in ((PREFETCH_BYTES, L2),
-                                                (NEAR_PREFETCH_BYTES, ALL_LEVELS)):  # fmt: skip
-                            at = builder.add(offset0, ir.Constant(I64, ahead + line))
-                            prefetch(builder, builder.gep(row, [at]), locality)
+                    prefetch_stream(builder, builder.gep(row, [offset0]), count * type_size)
                     for k in range(count):
                         block = builder.add(first_block, ir.Constant(I64, k))
                         offset = builder.mul(block, ir.Constant(I64, type_size))
