@@ -734,6 +734,9 @@ def bench(
     if result.read_bandwidth_gb_s:
         share = result.decode_weight_gb_s / result.read_bandwidth_gb_s
         streamed += f", {share:.0%} of the {result.read_bandwidth_gb_s:.1f} GB/s read bandwidth"
+    if result.mapped_read_gb_s:
+        share = result.decode_weight_gb_s / result.mapped_read_gb_s
+        streamed += f", {share:.0%} of a plain read of them ({result.mapped_read_gb_s:.1f} GB/s)"
     print(f"streamed     {streamed} ({result.weight_gb_per_token:.3f} GB per token)")
     print(f"peak RSS     {result.peak_rss_mb:.0f} MiB")
     if as_json:

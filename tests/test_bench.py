@@ -70,8 +70,10 @@ def test_bench_command_prints_the_streamed_bandwidth(monkeypatch):
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert any(line.startswith("streamed") and "read bandwidth" in line for line in lines)
+    assert any(line.startswith("streamed") and "plain read of them" in line for line in lines)
     report = json.loads(lines[-1])
     assert report["depth"] == 3 and report["read_bandwidth_gb_s"] > 0
+    assert report["mapped_read_gb_s"] > 0
 
 
 def test_bench_parallel_runs_the_streams_in_shared_passes(monkeypatch):
