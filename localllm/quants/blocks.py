@@ -260,25 +260,30 @@ def q8_0(e, blk, c):
 
 def _scales_mins_k4(e, blk):
     """(scales, mins): <8 x i32> each, the 6-bit scales and mins of the 8 sub-blocks from the 12
-    packed bytes at offset 4, unpacked with 32-bit masks as ggml's vec_dot_q4_K_q8_K does."""
+    packed bytes at offset 4, unpacked with ggml's 32-bit masks (vec_dot_q4_K_q8_K) on the words
+    w0, w1, w2 all at once, in one <4 x i32>: [scales 0-3, scales 4-7, mins 0-3, mins 4-7]
+    (a third of the instructions of the scalar words)."""
     b = e.b
-    w0, w1, w2 = (e.load(blk, 4 + 4 * i, I32) for i in range(3))
+    v = e.load(blk, 4, V4I32)  # w0 w1 w2, and the first 4 quant bytes (unused)
 
-    def c(v):
-        return ir.Constant(I32, v)
+    def c(*values):
+        return ir.Constant(V4I32, list(values))
 
-    m1, m2, m3 = c(0x3F3F3F3F), c(0x0F0F0F0F), c(0x03030303)
-    scales_lo = b.and_(w0, m1)
-    scales_hi = b.or_(b.and_(w2, m2), b.shl(b.and_(b.lshr(w0, c(6)), m3), c(4)))
-    mins_lo = b.and_(w1, m1)
-    mins_hi = b.or_(b.and_(b.lshr(w2, c(4)), m2), b.shl(b.and_(b.lshr(w1, c(6)), m3), c(4)))
+    zero = ir.Constant(V4I32, None)
+    m1, m2, m3 = 0x3F3F3F3F, 0x0F0F0F0F, 0x03030303
+    # low 6 bits of w0 and w1; low nibbles of w2 and its high ones
+    low = b.shuffle_vector(v, zero, ir.Constant(V4I32, [0, 2, 1, 2]))
+    low = b.and_(b.lshr(low, c(0, 0, 0, 4)), c(m1, m2, m1, m2))
+    # the top 2 bits of each byte of w0 and w1, as bits 4-5 of scales 4-7 and mins 4-7
+    top = b.shuffle_vector(v, zero, ir.Constant(V4I32, [4, 0, 4, 1]))
+    top = b.shl(b.and_(b.lshr(top, c(6, 6, 6, 6)), c(m3, m3, m3, m3)), c(4, 4, 4, 4))
+    packed = b.bitcast(b.or_(low, top), V16I8)
 
-    def eight_bytes(lo, hi):
-        pair = b.insert_element(ir.Constant(ir.VectorType(I32, 2), None), lo, c(0))
-        pair = b.insert_element(pair, hi, c(1))
-        return b.zext(b.bitcast(pair, ir.VectorType(I8, 8)), V8I32)
+    def eight_bytes(first):
+        lanes = ir.Constant(ir.VectorType(I32, 8), list(range(first, first + 8)))
+        return b.zext(b.shuffle_vector(packed, packed, lanes), V8I32)
 
-    return eight_bytes(scales_lo, scales_hi), eight_bytes(mins_lo, mins_hi)
+    return eight_bytes(0), eight_bytes(8)
 
 
 def _k_asymmetric(e, blk, c0, quants_at, high_bits_at):
