@@ -199,6 +199,7 @@ def bench(
         c = model.config
         per_token = weight_bytes_per_token(model.gguf.tensors, c.n_experts, c.n_experts_used)
         per_token /= 1e9
+        rss = peak_rss_mb()  # before the probe below, which may touch pages decode did not
         measure = bandwidth and transformer.backend.name == "cpu"
         mapped = mapped_read_gb_s(model.gguf.tensors, threads or 1) if measure else 0.0
     finally:
@@ -210,7 +211,7 @@ def bench(
         load_s=round(load_s, 3),
         prefill_tok_s=round(statistics.median(p for p, _ in runs), 2) if n_prompt else 0.0,
         decode_tok_s=round(decode_tok_s, 2),
-        peak_rss_mb=round(peak_rss_mb(), 1),
+        peak_rss_mb=round(rss, 1),
         prompt_tokens=n_prompt,
         gen_tokens=n_gen,
         depth=depth,
