@@ -76,6 +76,13 @@ def hub(monkeypatch):
     server.server.server_close()
 
 
+def as_from_a_terminal() -> None:
+    """In a child before exec: SIGINT's default action, as an interactive shell gives a command.
+    A test run started in the background of a script (`cmd &`) ignores SIGINT, and a child
+    would inherit that: Python then installs no KeyboardInterrupt, and Ctrl-C tests fail."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def invoke(*args: str, input: str = ""):
     return CliRunner().invoke(app, list(args), input=input)
 
@@ -169,6 +176,7 @@ def test_ctrl_c_stops_a_one_shot_run_with_exit_130():
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=ROOT,
+        preexec_fn=as_from_a_terminal,
     )
     try:
         assert process.stdout.read(1)  # the reply has started streaming
@@ -369,8 +377,7 @@ def test_pull_errors_are_one_line(hub):
 
 def test_ctrl_c_during_pull_exits_130_and_the_next_pull_resumes(hub):
     # The body stops after its first chunk until the SIGINT is sent, so that the pull cannot
-    # finish first however late this process gets to send it (in full-suite runs, paced by time
-    # alone, it now and then did: exit 0); then it goes on, a chunk per 0.2 s.
+    # finish first however late this process gets to send it; then it goes on, a chunk per 0.2 s.
     hub.hold = threading.Event()
     hub.delay_s = 0.2
     store = Store()
@@ -380,6 +387,7 @@ def test_ctrl_c_during_pull_exits_130_and_the_next_pull_resumes(hub):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=ROOT,
+        preexec_fn=as_from_a_terminal,
     )
     try:
         deadline = time.monotonic() + 60
