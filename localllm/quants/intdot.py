@@ -191,12 +191,12 @@ class _Emitter(BlockReader):
         b = self.b
         init, u, x = self.operands(chunk)
         scale = chunk.scale
-        if scale is None:
-            b.store(b.add(b.load(self.iacc[row]), self.dot(init, u, x)), self.iacc[row])
-            return
-        scale = self.splat8i(scale) if scale.type == I32 else scale
-        if not self.narrow:
-            isum = b.mul(self.dot(init, u, x), scale)
+        if scale is not None and scale.type == I32:
+            scale = self.splat8i(scale)
+        if scale is None or not self.narrow:
+            isum = self.dot(init, u, x)
+            if scale is not None:
+                isum = b.mul(isum, scale)
             b.store(b.add(b.load(self.iacc[row]), isum), self.iacc[row])
             return
         if self.paired:
@@ -225,10 +225,7 @@ class _Emitter(BlockReader):
         lanes = b.load(self.iacc[row])
         b.store(ir.Constant(V8I32, None), self.iacc[row])
         if self.paired:
-            if self.held[row] is not None:  # an odd chunk out: alone, in a ymm
-                init, u, x, scale = self.held[row]
-                self.held[row] = None
-                lanes = self.scale_add(lanes, self.dot(init, u, x), scale)
+            assert self.held[row] is None, "a paired type's blocks hold an even number of chunks"
             wide = b.load(self.iacc16[row])
             b.store(ir.Constant(_V16I32, None), self.iacc16[row])
             halves = [b.shuffle_vector(wide, wide, ir.Constant(V8I32, list(range(h, h + 8))))
