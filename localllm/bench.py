@@ -94,7 +94,7 @@ def read_bandwidth_gb_s(n_threads: int, n_bytes: int | None = None, rounds: int 
     """The best GB/s at which n_threads Numba threads read an n_bytes buffer (faulted in first)."""
     n_rows = 64
     words = np.ones((n_rows, (n_bytes or BANDWIDTH_BYTES) // 8 // n_rows), np.uint64)
-    return _read_gb_s([words], n_threads, rounds)
+    return plain_read_gb_s([words], n_threads, rounds)
 
 
 def mapped_read_gb_s(tensors: dict, n_threads: int, rounds: int = 3) -> float:
@@ -110,11 +110,12 @@ def mapped_read_gb_s(tensors: dict, n_threads: int, rounds: int = 3) -> float:
         flat = t.data.reshape(-1)
         whole = flat[: flat.size // (8 * n_rows) * 8 * n_rows]
         words.append(whole.view(np.uint64).reshape(n_rows, -1))
-    return _read_gb_s(words, n_threads, rounds) if words else 0.0
+    return plain_read_gb_s(words, n_threads, rounds) if words else 0.0
 
 
-def _read_gb_s(arrays: list, n_threads: int, rounds: int) -> float:
-    """The best GB/s of _sum_rows over all the arrays, on n_threads Numba threads."""
+def plain_read_gb_s(arrays: list, n_threads: int, rounds: int) -> float:
+    """The best GB/s at which n_threads Numba threads read all the arrays (uint64[n_rows, n],
+    one after another, each row a thread's at a time): the ceiling of a kernel streaming them."""
     previous = numba.get_num_threads()
     numba.set_num_threads(max(1, min(n_threads, numba.config.NUMBA_NUM_THREADS)))
     try:

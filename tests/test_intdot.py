@@ -145,6 +145,12 @@ HASWELL = (
 TARGETS = {  # instruction set: (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES)
     "avx2": ("haswell", HASWELL),
     "vnni": ("alderlake", HASWELL + ",+avxvnni"),  # AVX-VNNI (VEX), no AVX-512
+    # AVX-512 VNNI without GFNI and BITALG: 512-bit kernels, the grid types' signs without
+    # vpshufbitqmb (blocks._ksigns_wide's other path)
+    "avx512": (
+        "cascadelake",
+        HASWELL + ",+avx512f,+avx512bw,+avx512vl,+avx512dq,+avx512cd,+avx512vnni",
+    ),  # fmt: skip
     None: (
         "nehalem",
         "+64bit,+cmov,+cx16,+mmx,+popcnt,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3",
@@ -176,11 +182,13 @@ def run_for_target(instruction_set, tmp_path: Path, *args: str) -> str:
 
 
 @pytest.mark.slow  # two subprocesses that compile every kernel afresh
-@pytest.mark.parametrize("instruction_set", ["avx2", "vnni"])
+@pytest.mark.parametrize("instruction_set", ["avx2", "vnni", "avx512"])
 def test_other_instruction_sets(instruction_set, tmp_path):
-    """The AVX2 (vpmaddubsw) and AVX-VNNI (VEX vpdpbusd) variants pass the tests above."""
+    """The AVX2 (vpmaddubsw), AVX-VNNI (VEX vpdpbusd) and AVX-512 VNNI without GFNI/BITALG
+    (Cascade Lake) variants pass the tests above."""
     code = "from localllm.quants import intdot; print(intdot.INSTRUCTION_SET)"
-    assert run_for_target(instruction_set, tmp_path, "-c", code).strip() == instruction_set
+    expected = "vnni" if instruction_set == "avx512" else instruction_set
+    assert run_for_target(instruction_set, tmp_path, "-c", code).strip() == expected
     tests = str(Path(__file__).parent / "test_intdot.py")
     select = "matches_reference and 37 or agree or tiles_equal"
     run_for_target(

@@ -34,7 +34,7 @@ import numpy as np
 from llvmlite import ir
 from numba.core import cgutils
 
-from .cpu import INSTRUCTION_SET
+from .cpu import BIT_SHUFFLES, INSTRUCTION_SET, TILE_LANES
 from .iquants import (
     IQ1_GRID,
     IQ2S_GRID,
@@ -48,9 +48,10 @@ from .iquants import (
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 F32 = ir.FloatType()
 V4I32 = ir.VectorType(I32, 4)
-V16I8, V32I8 = ir.VectorType(I8, 16), ir.VectorType(I8, 32)
+V16I8, V32I8, V64I8 = ir.VectorType(I8, 16), ir.VectorType(I8, 32), ir.VectorType(I8, 64)
 V8I32, V8F32, V16I32 = ir.VectorType(I32, 8), ir.VectorType(F32, 8), ir.VectorType(I32, 16)
 ONE = ir.Constant(I32, 1)
+ZMM = TILE_LANES == 16  # 512-bit registers in use: a reader may yield 64-weight chunks (halves)
 
 
 def splat(vec_type, value):
@@ -63,22 +64,51 @@ SIGNED = -1  # the offset of a chunk of int8 weights (Q8_0): u holds the weights
 
 class Signs:
     """The offset of a chunk of unsigned levels whose weights carry a sign of their own (the grid
-    types): `mask` <32 x i8> is -1 where the weight is negative, 1 elsewhere."""
+    types): `bits` <32 x i1> is set where the weight is negative."""
 
-    def __init__(self, mask):
-        self.mask = mask
+    def __init__(self, bits):
+        self.bits = bits
 
 
 class Chunk(NamedTuple):
     """32 weights, columns 32 index .. 32 index + 31 of the row. u <32 x i8> holds levels; the
     integer weight is u - offset for an int offset (an i32 value, or an <8 x i32> per lane of 4
-    weights), u itself for SIGNED, u negated where Signs.mask is -1. scale: None (1), an i32, or
+    weights), u itself for SIGNED, u negated where Signs.bits is set. scale: None (1), an i32, or
     an <8 x i32> per lane whose lanes 0-3 and 4-7 hold the scales of the two 16-weight halves."""
 
     index: ir.Value
     u: ir.Value
     offset: object
     scale: ir.Value | None = None
+
+
+def halves(e, chunk):
+    """A 64-weight chunk (u <64 x i8>: chunks index and index + 1, which the one-token kernel
+    takes in one zmm) as its two 32-weight chunks; a 32-weight chunk alone."""
+    if chunk.u.type.count == 32:
+        return (chunk,)
+    b = e.b
+
+    def half(v, h):
+        n = v.type.count // 2
+        return b.shuffle_vector(
+            v, v, ir.Constant(ir.VectorType(I32, n), list(range(h * n, h * n + n)))
+        )
+
+    def part(v, h):
+        if isinstance(v, Signs):
+            return Signs(half(v.bits, h))
+        return half(v, h) if isinstance(v, ir.Value) and isinstance(v.type, ir.VectorType) else v
+
+    return tuple(
+        Chunk(
+            e.chunk_index(chunk.index, h),
+            half(chunk.u, h),
+            part(chunk.offset, h),
+            part(chunk.scale, h),
+        )  # fmt: skip
+        for h in (0, 1)
+    )
 
 
 class BlockEnd(NamedTuple):
@@ -165,6 +195,20 @@ class BlockReader:
         one = self.b.insert_element(ir.Constant(V8I32, None), value, ir.Constant(I32, 0))
         return self.b.shuffle_vector(one, ir.Constant(V8I32, None), ir.Constant(V8I32, [0] * 8))
 
+    def spread(self, values, picks):
+        """<len(picks) x i32>: values[picks[k]] (a vector's elements, or a scalar, repeated or
+        reordered)."""
+        if not isinstance(values.type, ir.VectorType):
+            one = ir.VectorType(values.type, 1)
+            values = self.b.insert_element(ir.Constant(one, None), values, ir.Constant(I32, 0))
+        picks = ir.Constant(ir.VectorType(I32, len(picks)), picks)
+        return self.b.shuffle_vector(values, ir.Constant(values.type, None), picks)
+
+    def words(self, block, offset, ty, n):
+        """<n x i32>: n unsigned integers of type ty (i8, i16, i32) at block + offset."""
+        v = self.load(block, offset, ir.VectorType(ty, n))
+        return v if ty == I32 else self.b.zext(v, ir.VectorType(I32, n))
+
     def intrinsic(self, name, result, *operands):
         fnty = ir.FunctionType(result, [v.type for v in operands])
         return self.b.call(cgutils.get_or_insert_function(self.b.module, fnty, name), operands)
@@ -188,26 +232,46 @@ class BlockReader:
         return module.globals[name]
 
     def gather(self, table, indices):
-        """<8 x i32>: table[indices[k]] (vpgatherdd)."""
-        base = self.b.bitcast(table, I8.as_pointer())
+        """<n x i32>: table[indices[k]] for <n x i32> indices, n = 8 (vpgatherdd ymm) or 16 (one
+        zmm gather with 512-bit registers, else two ymm)."""
+        b = self.b
+        base = b.bitcast(table, I8.as_pointer())
+        if indices.type.count == 16 and not ZMM:
+            halves = [b.shuffle_vector(indices, indices, ir.Constant(V8I32, list(range(h, h + 8))))
+                      for h in (0, 8)]  # fmt: skip
+            return self.concat(*(self.gather(table, h) for h in halves))
+        if indices.type.count == 16:
+            mask = ir.Constant(ir.VectorType(ir.IntType(1), 16), [1] * 16)
+            args = (ir.Constant(V16I32, None), base, indices, mask, ir.Constant(I32, 4))
+            return self.intrinsic("llvm.x86.avx512.mask.gather.dpi.512", V16I32, *args)
         args = (ir.Constant(V8I32, None), base, indices, splat(V8I32, -1), ir.Constant(I8, 4))
         return self.intrinsic("llvm.x86.avx2.gather.d.d.256", V8I32, *args)
 
     def gather64(self, table, indices):
-        """<4 x i64>: table[indices[k]] for <4 x i32> indices (vpgatherdq)."""
-        base = self.b.bitcast(table, I8.as_pointer())
+        """<n x i64>: table[indices[k]] for <n x i32> indices, n = 4 (vpgatherdq ymm) or 8 (one
+        zmm gather with 512-bit registers, else two ymm)."""
+        b = self.b
+        base = b.bitcast(table, I8.as_pointer())
+        if indices.type.count == 8 and not ZMM:
+            halves = [b.shuffle_vector(indices, indices, ir.Constant(V4I32, list(range(h, h + 4))))
+                      for h in (0, 4)]  # fmt: skip
+            return self.concat(*(self.gather64(table, h) for h in halves))
+        if indices.type.count == 8:
+            v8i64 = ir.VectorType(I64, 8)
+            mask = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1] * 8)
+            args = (ir.Constant(v8i64, None), base, indices, mask, ir.Constant(I32, 8))
+            return self.intrinsic("llvm.x86.avx512.mask.gather.dpq.512", v8i64, *args)
         v4i64 = ir.VectorType(I64, 4)
         args = (ir.Constant(v4i64, None), base, indices, splat(v4i64, -1), ir.Constant(I8, 8))
         return self.intrinsic("llvm.x86.avx2.gather.d.q.256", v4i64, *args)
 
-    def sign_mask(self, bits32):
-        """<32 x i8>: -1 where bit k of the i32 bits32 is set, 1 elsewhere."""
-        mask = self.b.bitcast(bits32, ir.VectorType(ir.IntType(1), 32))
-        return self.b.select(mask, splat(V32I8, -1), splat(V32I8, 1))
+    def sign_bits(self, bits32):
+        """<32 x i1>: bit k of the i32 bits32 (a mask register with AVX-512)."""
+        return self.b.bitcast(bits32, ir.VectorType(ir.IntType(1), 32))
 
-    def widen(self, block, offset, n):
-        """<n x i32>: n unsigned bytes at block + offset."""
-        return self.b.zext(self.load(block, offset, ir.VectorType(I8, n)), ir.VectorType(I32, n))
+    def negate(self, v, bits):
+        """<n x i8> v negated where bits (<n x i1>) is set: one masked blend with -v."""
+        return self.b.select(bits, self.b.sub(ir.Constant(v.type, None), v), v)
 
     def lanes_of(self, values, k):
         """<8 x i32> per lane from a vector of per-16-weight values: value k in lanes 0-3,
@@ -348,7 +412,7 @@ def q2_k(e, blk, c0):
     """scales[16] (4-bit scale | 4-bit min << 4) | qs[64] | d f16 | dmin f16:
     w = d * sc * q - dmin * m per 16 weights, q 2 bits."""
     b = e.b
-    packed = e.widen(blk, 0, 16)
+    packed = e.words(blk, 0, I8, 16)
     scales = b.and_(packed, splat(V16I32, 15))
     for h in range(2):
         for j in range(4):
@@ -462,61 +526,109 @@ def iq4_xs(e, blk, c0):
 @layout(sub_cols=32, narrow=True)
 def iq3_s(e, blk, c0):
     """d f16 | qs[64] | qh[8] | signs[32] | scales[4]: w = d * (1 + 2 * scale) * level * sign
-    (see iquants.py). Per 32 weights: 8 9-bit grid indices -> one vpgatherdd of 8 x 4 levels,
-    the 32 sign bits; as ggml's vec_dot_iq3_s_q8_K."""
+    (see iquants.py). Per 64 weights: 16 9-bit grid indices -> one gather of 16 x 4 levels, the
+    64 sign bits; as ggml's vec_dot_iq3_s_q8_K."""
     b = e.b
     table = e.table("iq3s_grid", IQ3S_GRID.view("<u4").reshape(-1))
-    bit_of = ir.Constant(V8I32, list(range(8)))
-    for j in range(8):
-        low = e.widen(blk, 2 + 8 * j, 8)
-        high = b.and_(b.lshr(e.splat8i(e.byte(blk, 66 + j)), bit_of), splat(V8I32, 1))
-        levels = b.bitcast(e.gather(table, b.or_(low, b.shl(high, splat(V8I32, 8)))), V32I8)
-        signs = Signs(e.sign_mask(e.load(blk, 74 + 4 * j, I32)))
-        scale = b.and_(b.lshr(e.byte(blk, 106 + j // 2), ir.Constant(I32, 4 * (j % 2))),
-                       ir.Constant(I32, 15))  # fmt: skip
-        odd = b.add(b.shl(scale, ONE), ONE)
-        yield Chunk(e.chunk_index(c0, j), levels, signs, odd)
+    for p in range(4):
+        low = e.words(blk, 2 + 16 * p, I8, 16)
+        qh = e.spread(e.words(blk, 66 + 2 * p, I16, 1), [0] * 16)
+        high = b.and_(b.lshr(qh, ir.Constant(V16I32, list(range(16)))), splat(V16I32, 1))
+        levels = e.gather(table, b.or_(low, b.shl(high, splat(V16I32, 8))))
+        signs = Signs(b.bitcast(e.load(blk, 74 + 8 * p, I64), ir.VectorType(ir.IntType(1), 64)))
+        nibbles = b.lshr(e.spread(e.words(blk, 106 + p, I8, 1), [0] * 16),
+                         ir.Constant(V16I32, [0] * 8 + [4] * 8))  # fmt: skip
+        odd = b.or_(b.shl(b.and_(nibbles, splat(V16I32, 15)), splat(V16I32, 1)), splat(V16I32, 1))
+        yield Chunk(e.chunk_index(c0, 2 * p), b.bitcast(levels, V64I8), signs, odd)
     yield BlockEnd(c0, e.f16(blk, 0))
 
 
 def _splat4(e, value):
-    """<4 x i32> of an i32."""
-    one = e.b.insert_element(ir.Constant(V4I32, None), value, ir.Constant(I32, 0))
-    return e.b.shuffle_vector(one, ir.Constant(V4I32, None), ir.Constant(V4I32, [0] * 4))
+    """<4 x i32> of an i32, <4 x i64> of an i64."""
+    vec = ir.VectorType(value.type, 4)
+    one = e.b.insert_element(ir.Constant(vec, None), value, ir.Constant(I32, 0))
+    return e.b.shuffle_vector(one, ir.Constant(vec, None), ir.Constant(V4I32, [0] * 4))
 
 
-def _ksigns(e, fields):
-    """Signs of 32 weights from 4 lanes of 7 sign bits (the low 7 bits of each lane of <4 x i32>
-    fields, 8 weights each): the 8th bit is their parity (ggml's ksigns_iq2xs, vpopcntd)."""
+def _ksigns(e, word, shifts):
+    """Signs of 32 weights, 8 per 7 sign bits of the integer `word` (i32 or i64) at bit positions
+    `shifts`; the 8th sign is their parity (ggml's ksigns_iq2xs). With GFNI and BITALG four
+    instructions: the word in 4 lanes of i64, each shifted to its field, one vgf2p8affineqb
+    (each lane's low byte: its 7 bits, their parity as bit 7) and one vpshufbitqmb (those bytes'
+    32 bits as a mask). Elsewhere the parity by vpopcntd, and the bytes moved to a mask."""
     b = e.b
-    fields = b.and_(fields, splat(V4I32, 127))
+    v4i64 = ir.VectorType(I64, 4)
+    lanes = b.lshr(_splat4(e, b.zext(word, I64) if word.type != I64 else word),
+                   ir.Constant(v4i64, shifts))  # fmt: skip
+    if BIT_SHUFFLES:
+        with_parity = e.intrinsic(
+            "llvm.x86.vgf2p8affineqb.256", V32I8, b.bitcast(lanes, V32I8),
+            b.bitcast(splat(v4i64, KSIGNS_AFFINE), V32I8), ir.Constant(I8, 0),
+        )  # fmt: skip
+        bit_of = ir.Constant(V32I8, list(range(8)) * 4)
+        bits = ir.VectorType(ir.IntType(1), 32)
+        return Signs(e.intrinsic("llvm.x86.avx512.vpshufbitqmb.256", bits, with_parity, bit_of))
+    fields = b.and_(b.trunc(lanes, V4I32), splat(V4I32, 127))
     parity = b.and_(e.intrinsic("llvm.ctpop.v4i32", V4I32, fields), splat(V4I32, 1))
     signs = b.or_(fields, b.shl(parity, splat(V4I32, 7)))
-    return Signs(e.sign_mask(b.bitcast(b.trunc(signs, ir.VectorType(I8, 4)), I32)))
+    return Signs(e.sign_bits(b.bitcast(b.trunc(signs, ir.VectorType(I8, 4)), I32)))
 
 
-def _odd_halves(e, byte):
-    """<8 x i32>: 2s + 1 of the low nibble s of byte in lanes 0-3 (weights 0-15 of a chunk), of
-    its high nibble in lanes 4-7."""
+def _ksigns_wide(e, words, shifts):
+    """Signs of 64 weights (<64 x i1>): _ksigns of words[0] (weights 0-31) and words[1] (<2 x
+    i64>), in one zmm each step where there are 512-bit registers."""
     b = e.b
-    nibbles = b.and_(b.lshr(e.splat8i(byte), ir.Constant(V8I32, [0] * 4 + [4] * 4)),
-                     splat(V8I32, 15))  # fmt: skip
-    return b.or_(b.shl(nibbles, splat(V8I32, 1)), splat(V8I32, 1))
+    if not (BIT_SHUFFLES and ZMM):
+        first, second = (_ksigns(e, b.extract_element(words, ir.Constant(I32, k)), shifts)
+                         for k in (0, 1))  # fmt: skip
+        both = ir.Constant(ir.VectorType(I32, 64), list(range(64)))
+        return Signs(b.shuffle_vector(first.bits, second.bits, both))
+    v8i64, v64i8 = ir.VectorType(I64, 8), ir.VectorType(I8, 64)
+    lanes = b.shuffle_vector(words, words, ir.Constant(V8I32, [0] * 4 + [1] * 4))
+    lanes = b.lshr(lanes, ir.Constant(v8i64, shifts * 2))
+    with_parity = e.intrinsic(
+        "llvm.x86.vgf2p8affineqb.512", v64i8, b.bitcast(lanes, v64i8),
+        b.bitcast(splat(v8i64, KSIGNS_AFFINE), v64i8), ir.Constant(I8, 0),
+    )  # fmt: skip
+    bit_of = ir.Constant(v64i8, list(range(8)) * 8)
+    bits = ir.VectorType(ir.IntType(1), 64)
+    return Signs(e.intrinsic("llvm.x86.avx512.vpshufbitqmb.512", bits, with_parity, bit_of))
+
+
+# vgf2p8affineqb's matrix for ksigns: output bit i (< 7) is input bit i (matrix byte 7 - i holds
+# 1 << i), output bit 7 the parity of input bits 0-6 (byte 0: 0x7F)
+KSIGNS_AFFINE = 0x010204081020407F
+
+
+def _odd_top(e, aux):
+    """<16 x i32>: 2s + 1 of the scales s in bits 28-31 of aux[0] (lanes 0-7, the first chunk)
+    and aux[1] (lanes 8-15); aux >> 27 is 2s plus a bit that the | 1 covers."""
+    b = e.b
+    top = b.lshr(e.spread(aux, [0] * 8 + [1] * 8), splat(V16I32, 27))
+    return b.or_(top, splat(V16I32, 1))
+
+
+def _odd_quarters(e, blk, offset):
+    """<16 x i32>: 2s + 1 of the 4 nibbles s of the u16 at blk + offset, the scales of 4 x 16
+    weights (lanes 0-3, 4-7, 8-11, 12-15)."""
+    b = e.b
+    nibbles = b.lshr(e.spread(e.words(blk, offset, I16, 1), [0] * 16),
+                     ir.Constant(V16I32, [4 * (k // 4) for k in range(16)]))  # fmt: skip
+    return b.or_(b.shl(b.and_(nibbles, splat(V16I32, 15)), splat(V16I32, 1)), splat(V16I32, 1))
 
 
 @layout(sub_cols=32, narrow=True)
 def iq3_xxs(e, blk, c0):
     """d f16 | qs[64] | 8 x u32 (4 x 7 sign bits, scale s in bits 28-31): w = d * (2s + 1) / 4 *
-    level * sign (see iquants.py): one vpgatherdd of 8 grid entries per 32 weights, the sign
-    bytes' parity by vpopcntd, as in ggml's vec_dot_iq3_xxs_q8_K."""
+    level * sign (see iquants.py): one gather of 16 grid entries per 64 weights, the sign
+    bytes' parity as in ggml's vec_dot_iq3_xxs_q8_K."""
     b = e.b
     table = e.table("iq3xxs_grid", IQ3XXS_GRID.view("<u4").reshape(-1))
-    for j in range(8):
-        levels = b.bitcast(e.gather(table, e.widen(blk, 2 + 8 * j, 8)), V32I8)
-        aux = e.load(blk, 66 + 4 * j, I32)
-        fields = b.lshr(_splat4(e, aux), ir.Constant(V4I32, [0, 7, 14, 21]))
-        odd = b.or_(b.shl(b.lshr(aux, ir.Constant(I32, 28)), ONE), ONE)
-        yield Chunk(e.chunk_index(c0, j), levels, _ksigns(e, fields), odd)
+    for p in range(4):
+        levels = e.gather(table, e.words(blk, 2 + 16 * p, I8, 16))
+        aux = e.words(blk, 66 + 8 * p, I32, 2)
+        signs = _ksigns_wide(e, b.zext(aux, ir.VectorType(I64, 2)), [0, 7, 14, 21])
+        yield Chunk(e.chunk_index(c0, 2 * p), b.bitcast(levels, V64I8), signs, _odd_top(e, aux))
     yield BlockEnd(c0, e.b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.25)))
 
 
@@ -527,17 +639,17 @@ def _iq2_grid_table(e, name, grid):
 @layout(sub_cols=32, narrow=True)
 def iq2_xxs(e, blk, c0):
     """d f16 | 8 x (u32 of 4 grid indices, u32 of 4 x 7 sign bits and a scale s in bits 28-31):
-    w = d * (2s + 1) / 8 * level * sign. Per 32 weights one vpgatherdq of 4 grid entries of 8
+    w = d * (2s + 1) / 8 * level * sign. Per 64 weights one gather of 8 grid entries of 8
     levels; as ggml's vec_dot_iq2_xxs_q8_K."""
     b = e.b
     table = _iq2_grid_table(e, "iq2xxs_grid", IQ2XXS_GRID)
-    for j in range(8):
-        indices = b.zext(e.load(blk, 2 + 8 * j, ir.VectorType(I8, 4)), V4I32)
-        levels = b.bitcast(e.gather64(table, indices), V32I8)
-        aux = e.load(blk, 6 + 8 * j, I32)
-        fields = b.lshr(_splat4(e, aux), ir.Constant(V4I32, [0, 7, 14, 21]))
-        odd = b.or_(b.shl(b.lshr(aux, ir.Constant(I32, 28)), ONE), ONE)
-        yield Chunk(e.chunk_index(c0, j), levels, _ksigns(e, fields), odd)
+    for p in range(4):
+        pair = e.load(blk, 2 + 16 * p, V16I8)  # indices 0-3, aux 0, indices 4-7, aux 1
+        indices = b.zext(e.spread(pair, [0, 1, 2, 3, 8, 9, 10, 11]), V8I32)
+        levels = b.bitcast(e.gather64(table, indices), V64I8)
+        signs = _ksigns_wide(e, b.bitcast(pair, ir.VectorType(I64, 2)), [32, 39, 46, 53])
+        aux = e.spread(b.bitcast(pair, V4I32), [1, 3])
+        yield Chunk(e.chunk_index(c0, 2 * p), levels, signs, _odd_top(e, aux))
     yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
 
 
@@ -547,11 +659,11 @@ def iq2_xs(e, blk, c0):
     bits per 16 weights): w = d * (2s + 1) / 8 * level * sign."""
     b = e.b
     table = _iq2_grid_table(e, "iq2xs_grid", IQ2XS_GRID)
-    for j in range(8):
-        q = b.zext(e.load(blk, 2 + 8 * j, ir.VectorType(I16, 4)), V4I32)
-        levels = b.bitcast(e.gather64(table, b.and_(q, splat(V4I32, 511))), V32I8)
-        signs = _ksigns(e, b.lshr(q, splat(V4I32, 9)))
-        yield Chunk(e.chunk_index(c0, j), levels, signs, _odd_halves(e, e.byte(blk, 66 + j)))
+    for p in range(4):
+        q = e.words(blk, 2 + 16 * p, I16, 8)
+        levels = b.bitcast(e.gather64(table, b.and_(q, splat(V8I32, 511))), V64I8)
+        signs = _ksigns_wide(e, e.load(blk, 2 + 16 * p, ir.VectorType(I64, 2)), [9, 25, 41, 57])
+        yield Chunk(e.chunk_index(c0, 2 * p), levels, signs, _odd_quarters(e, blk, 66 + 2 * p))
     yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
 
 
@@ -562,14 +674,14 @@ def iq2_s(e, blk, c0):
     sign."""
     b = e.b
     table = _iq2_grid_table(e, "iq2s_grid", IQ2S_GRID)
-    for j in range(8):
-        low = b.zext(e.load(blk, 2 + 4 * j, ir.VectorType(I8, 4)), V4I32)
-        qh = _splat4(e, e.byte(blk, 66 + j))
-        high = b.and_(b.lshr(qh, ir.Constant(V4I32, [0, 2, 4, 6])), splat(V4I32, 3))
-        indices = b.or_(low, b.shl(high, splat(V4I32, 8)))
-        levels = b.bitcast(e.gather64(table, indices), V32I8)
-        signs = Signs(e.sign_mask(e.load(blk, 34 + 4 * j, I32)))
-        yield Chunk(e.chunk_index(c0, j), levels, signs, _odd_halves(e, e.byte(blk, 74 + j)))
+    for p in range(4):
+        low = e.words(blk, 2 + 8 * p, I8, 8)
+        qh = e.spread(e.words(blk, 66 + 2 * p, I16, 1), [0] * 8)
+        high = b.and_(b.lshr(qh, ir.Constant(V8I32, list(range(0, 16, 2)))), splat(V8I32, 3))
+        levels = e.gather64(table, b.or_(low, b.shl(high, splat(V8I32, 8))))
+        signs = Signs(b.bitcast(e.load(blk, 34 + 8 * p, I64), ir.VectorType(ir.IntType(1), 64)))
+        odd = _odd_quarters(e, blk, 74 + 2 * p)
+        yield Chunk(e.chunk_index(c0, 2 * p), b.bitcast(levels, V64I8), signs, odd)
     yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
 
 
@@ -586,15 +698,18 @@ def iq1_s(e, blk, c0):
     (2s + 1) * (level +- 1/8), here d / 8 * (2s + 1) * (8 * (level + 1) - (7 or 9))."""
     b = e.b
     table = _iq1_table(e)
-    for j in range(8):
-        qh = b.zext(e.load(blk, 34 + 2 * j, I16), I32)
-        low = b.zext(e.load(blk, 2 + 4 * j, ir.VectorType(I8, 4)), V4I32)
-        high = b.and_(b.lshr(_splat4(e, qh), ir.Constant(V4I32, [0, 3, 6, 9])), splat(V4I32, 7))
-        levels = b.bitcast(e.gather64(table, b.or_(low, b.shl(high, splat(V4I32, 8)))), V32I8)
-        negative = b.and_(b.lshr(qh, ir.Constant(I32, 15)), ONE)
-        offset = b.add(ir.Constant(I32, 7), b.shl(negative, ONE))
-        scale = b.and_(b.lshr(qh, ir.Constant(I32, 12)), ir.Constant(I32, 7))
-        yield Chunk(e.chunk_index(c0, j), levels, offset, b.or_(b.shl(scale, ONE), ONE))
+    for p in range(4):
+        qh = e.words(blk, 34 + 4 * p, I16, 2)
+        high = b.lshr(e.spread(qh, [0] * 4 + [1] * 4), ir.Constant(V8I32, [0, 3, 6, 9] * 2))
+        indices = b.or_(e.words(blk, 2 + 8 * p, I8, 8),
+                        b.shl(b.and_(high, splat(V8I32, 7)), splat(V8I32, 8)))  # fmt: skip
+        levels = b.bitcast(e.gather64(table, indices), V64I8)
+        per_lane = e.spread(qh, [0] * 8 + [1] * 8)
+        negative = b.lshr(per_lane, splat(V16I32, 15))
+        offsets = b.add(splat(V16I32, 7), b.shl(negative, splat(V16I32, 1)))
+        scales = b.and_(b.lshr(per_lane, splat(V16I32, 12)), splat(V16I32, 7))
+        odd = b.or_(b.shl(scales, splat(V16I32, 1)), splat(V16I32, 1))
+        yield Chunk(e.chunk_index(c0, 2 * p), levels, offsets, odd)
     yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
 
 
@@ -602,7 +717,7 @@ def iq1_s(e, blk, c0):
 def iq1_m(e, blk, c0):
     """qs[32] | qh[16] (per 8 weights a nibble: 3 high index bits, the delta's sign) | scales
     u16[4] (3-bit scales per 16 weights, the f16 d in the top nibbles): as IQ1_S, with an offset
-    per 8 weights (per pair of lanes) and a scale per 16 (lanes 0-3, 4-7)."""
+    per 8 weights (per pair of lanes) and a scale per 16 (per 4 lanes)."""
     b = e.b
     table = _iq1_table(e)
     sc = [b.zext(e.load(blk, 48 + 2 * i, I16), I32) for i in range(4)]
@@ -613,20 +728,19 @@ def iq1_m(e, blk, c0):
         b.or_(b.lshr(b.and_(sc[2], top), ir.Constant(I32, 4)), b.and_(sc[3], top)),
     )  # fmt: skip
     d = b.fpext(b.bitcast(b.trunc(bits, I16), ir.HalfType()), F32)
-    for j in range(8):
-        low = b.zext(e.load(blk, 4 * j, ir.VectorType(I8, 4)), V4I32)
-        qh = _splat4(e, b.zext(e.load(blk, 32 + 2 * j, I16), I32))
-        nibbles = b.and_(b.lshr(qh, ir.Constant(V4I32, [0, 4, 8, 12])), splat(V4I32, 15))
-        indices = b.or_(low, b.shl(b.and_(nibbles, splat(V4I32, 7)), splat(V4I32, 8)))
-        levels = b.bitcast(e.gather64(table, indices), V32I8)
-        negative = b.lshr(nibbles, splat(V4I32, 3))
-        offsets = b.add(splat(V4I32, 7), b.shl(negative, splat(V4I32, 1)))
-        per_lane = ir.Constant(V8I32, [0, 0, 1, 1, 2, 2, 3, 3])
-        offsets = b.shuffle_vector(offsets, ir.Constant(V4I32, None), per_lane)
-        shifts = ir.Constant(V8I32, [3 * (2 * (j % 2))] * 4 + [3 * (2 * (j % 2) + 1)] * 4)
-        scales = b.and_(b.lshr(e.splat8i(sc[j // 2]), shifts), splat(V8I32, 7))
-        odd = b.or_(b.shl(scales, splat(V8I32, 1)), splat(V8I32, 1))
-        yield Chunk(e.chunk_index(c0, j), levels, offsets, odd)
+    for p in range(4):
+        qh = e.spread(e.words(blk, 32 + 4 * p, I16, 2), [0] * 4 + [1] * 4)
+        nibbles = b.and_(b.lshr(qh, ir.Constant(V8I32, [0, 4, 8, 12] * 2)), splat(V8I32, 15))
+        indices = b.or_(e.words(blk, 8 * p, I8, 8),
+                        b.shl(b.and_(nibbles, splat(V8I32, 7)), splat(V8I32, 8)))  # fmt: skip
+        levels = b.bitcast(e.gather64(table, indices), V64I8)
+        negative = b.lshr(nibbles, splat(V8I32, 3))
+        offsets = b.add(splat(V8I32, 7), b.shl(negative, splat(V8I32, 1)))
+        offsets = e.spread(offsets, [k // 2 for k in range(16)])
+        shifts = ir.Constant(V16I32, [3 * (k // 4) for k in range(16)])
+        scales = b.and_(b.lshr(e.spread(sc[p], [0] * 16), shifts), splat(V16I32, 7))
+        odd = b.or_(b.shl(scales, splat(V16I32, 1)), splat(V16I32, 1))
+        yield Chunk(e.chunk_index(c0, 2 * p), levels, offsets, odd)
     yield BlockEnd(c0, b.fmul(d, ir.Constant(F32, 0.125)))
 
 

@@ -60,6 +60,10 @@ _USABLE = _target_features() & host_features()
 INSTRUCTION_SET = _instruction_set(_USABLE)
 TILE_LANES = tile_lanes(_USABLE)
 
+# GFNI and AVX-512 BITALG (Ice Lake, Zen 4 and later): the grid types' sign bits in a few
+# instructions (blocks._ksigns)
+BIT_SHUFFLES = {"gfni", "avx512bitalg", "avx512bw", "avx512vl"} <= _USABLE
+
 # Half <-> float in one instruction where the CPU has one (x86 F16C: every AVX2 CPU; ARMv8);
 # elsewhere LLVM would call a runtime helper Numba cannot link, so bit-exact integer code.
 HARDWARE_HALF = "f16c" in _USABLE or platform.machine().lower() in ("aarch64", "arm64")

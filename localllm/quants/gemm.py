@@ -47,6 +47,7 @@ from .blocks import (
     BlockReader,
     Chunk,
     Signs,
+    halves,
     splat,
 )
 from .cpu import TILE_LANES
@@ -156,7 +157,7 @@ class _Unpacker(BlockReader):
         """<32 x i8>: the chunk's integer weights."""
         b, u, offset = self.b, chunk.u, chunk.offset
         if isinstance(offset, Signs):
-            return self.sign(u, offset.mask)
+            return self.negate(u, offset.bits)
         if isinstance(offset, ir.Value):
             if offset.type == I32:
                 return b.sub(u, b.bitcast(self.splat8i(b.mul(offset, ir.Constant(I32, 0x01010101))),
@@ -169,20 +170,28 @@ class _Unpacker(BlockReader):
         return b.sub(u, splat(V32I8, offset))
 
     def take(self, item):
-        b, s = self.b, self.scratch
         if isinstance(item, Chunk):
-            weights = self.weights(item)
-            at = s.at("s", self.row, b.mul(item.index, ir.Constant(I64, 32)))
-            b.store(weights, b.bitcast(at, V32I8.as_pointer()), align=1)
-            # per lane: the sum of its 4 weights (vpdpbusd with unsigned ones); scaled at the
-            # block's end
-            ones = splat(V32I8, 1)
-            args = [b.bitcast(v, V8I32) for v in (ir.Constant(V8I32, None), ones, weights)]
-            sums = self.intrinsic("llvm.x86.avx512.vpdpbusd.256", V8I32, *args)
-            if item.scale is not None:
-                self.store_scale(item.index, item.scale)
-            self.chunks.append((sums, item.scale))
-            return
+            for chunk in halves(self, item):
+                self.take_chunk(chunk)
+        else:
+            self.take_end(item)
+
+    def take_chunk(self, item):
+        b, s = self.b, self.scratch
+        weights = self.weights(item)
+        at = s.at("s", self.row, b.mul(item.index, ir.Constant(I64, 32)))
+        b.store(weights, b.bitcast(at, V32I8.as_pointer()), align=1)
+        # per lane: the sum of its 4 weights (vpdpbusd with unsigned ones); scaled at the
+        # block's end
+        ones = splat(V32I8, 1)
+        args = [b.bitcast(v, V8I32) for v in (ir.Constant(V8I32, None), ones, weights)]
+        sums = self.intrinsic("llvm.x86.avx512.vpdpbusd.256", V8I32, *args)
+        if item.scale is not None:
+            self.store_scale(item.index, item.scale)
+        self.chunks.append((sums, item.scale))
+
+    def take_end(self, item):
+        b, s = self.b, self.scratch
         block = b.udiv(item.index, ir.Constant(I64, self.chunks_per_block))
         if self.deferred:
             ((sums, scale),) = self.chunks

@@ -54,6 +54,7 @@ from .blocks import (
     BlockEnd,
     BlockReader,
     Signs,
+    halves,
     splat,
 )
 from .cpu import INSTRUCTION_SET, TILE_LANES, choose_instruction_set, host_features
@@ -130,7 +131,7 @@ class _Emitter(BlockReader):
                      for _ in range(n_rows)]  # fmt: skip
         self.acc = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
                     for _ in range(n_rows)]  # fmt: skip
-        if self.paired:  # pairs of chunks: their sums, and a chunk waiting for its pair
+        if ZMM:  # pairs of chunks: their sums, and a chunk waiting for its pair
             self.iacc16 = [cgutils.alloca_once_value(builder, ir.Constant(_V16I32, None))
                            for _ in range(n_rows)]  # fmt: skip
             self.held = [None] * n_rows
@@ -141,8 +142,11 @@ class _Emitter(BlockReader):
     def take(self, row, item):
         if isinstance(item, BlockEnd):
             self.end_block(row, item)
-        else:
+        elif ZMM and item.u.type.count == 64:
             self.accumulate(row, item)
+        else:
+            for chunk in halves(self, item):
+                self.accumulate(row, chunk)
 
     def dot(self, init, u, x):
         """init + (per lane of 4 bytes: the sum of u * x), u <32 x u8> (< 128 for avx2, which
@@ -159,19 +163,23 @@ class _Emitter(BlockReader):
         ones = splat(ir.VectorType(ir.IntType(16), 16), 1)
         return b.add(init, self.intrinsic("llvm.x86.avx2.pmadd.wd", V8I32, pairs, ones))
 
-    def lane_sums(self, c):
-        """<8 x i32>: the sums of the 4 activation quants of each lane of chunk c."""
+    def lane_sums(self, c, lanes_type=V8I32):
+        """<8 x i32> (or <16 x i32>): the sums of the 4 activation quants of each lane of chunk c
+        (and c + 1)."""
         lanes = self.b.gep(self.xl, [self.b.mul(c, ir.Constant(c.type, 8))])
-        return self.b.load(self.b.bitcast(lanes, V8I32.as_pointer()), align=4)
+        return self.b.load(self.b.bitcast(lanes, lanes_type.as_pointer()), align=4)
 
     def operands(self, chunk):
-        """(init, u, x) of a chunk, whose integer dot product is dot(init, u, x)."""
+        """(init, u, x) of a chunk (of 32 weights, or 64 in one zmm), whose integer dot product
+        is dot(init, u, x)."""
         b = self.b
         c, u, offset, _ = chunk
-        x = b.bitcast(self.load(self.xq, b.mul(c, ir.Constant(c.type, 32)), V8I32), V32I8)
-        zero = ir.Constant(V8I32, None)
+        lanes_type = ir.VectorType(I32, u.type.count // 4)
+        x = self.load(self.xq, b.mul(c, ir.Constant(c.type, 32)), lanes_type)
+        x = b.bitcast(x, ir.VectorType(I8, u.type.count))
+        zero = ir.Constant(lanes_type, None)
         if isinstance(offset, Signs):  # levels < 128: exact in either instruction set
-            return zero, u, self.sign(x, offset.mask)
+            return zero, u, self.negate(x, offset.bits)
         if offset == SIGNED and INSTRUCTION_SET == "avx2":
             # ggml's sign trick: |w| * (x with w's sign), |w| <= 128 keeps the pairs in int16
             return zero, self.sign(u, u), self.sign(x, u)
@@ -180,7 +188,8 @@ class _Emitter(BlockReader):
         if isinstance(offset, ir.Value):  # an offset of this chunk (i32) or of each lane
             if offset.type == I32:
                 offset = self.splat8i(offset)
-            return b.mul(self.lane_sums(c), b.neg(offset)), u, x
+            # a lane's sum of 4 activations (|s| <= 508) and the offset fit int16: vpmaddwd
+            return self.scale_add(zero, self.lane_sums(c, lanes_type), b.neg(offset)), u, x
         if offset:  # -offset * (sum of the 4 activations of each lane)
             return b.mul(self.lane_sums(c), splat(V8I32, -offset)), u, x
         return zero, u, x
@@ -193,19 +202,20 @@ class _Emitter(BlockReader):
         scale = chunk.scale
         if scale is not None and scale.type == I32:
             scale = self.splat8i(scale)
+        wide = u.type.count == 64  # a reader's 64-weight chunk, narrow and scaled
         if scale is None or not self.narrow:
             isum = self.dot(init, u, x)
             if scale is not None:
                 isum = b.mul(isum, scale)
             b.store(b.add(b.load(self.iacc[row]), isum), self.iacc[row])
             return
-        if self.paired:
+        if self.paired and not wide:
             held, self.held[row] = self.held[row], None
             if held is None:
                 self.held[row] = (init, u, x, scale)
                 return
             init, u, x, scale = (self.concat(a, c) for a, c in zip(held, (init, u, x, scale)))
-        iacc = self.iacc16[row] if self.paired else self.iacc[row]
+        iacc = self.iacc16[row] if self.paired or wide else self.iacc[row]
         b.store(self.scale_add(b.load(iacc), self.dot(init, u, x), scale), iacc)
 
     def scale_add(self, acc, isum, scale):
@@ -224,7 +234,7 @@ class _Emitter(BlockReader):
         b = self.b
         lanes = b.load(self.iacc[row])
         b.store(ir.Constant(V8I32, None), self.iacc[row])
-        if self.paired:
+        if ZMM:
             assert self.held[row] is None, "a paired type's blocks hold an even number of chunks"
             wide = b.load(self.iacc16[row])
             b.store(ir.Constant(_V16I32, None), self.iacc16[row])
