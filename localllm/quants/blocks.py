@@ -692,6 +692,13 @@ def _iq1_table(e):
     return e.table("iq1_grid", levels.view("<u8").reshape(-1), I64)
 
 
+def _u16_field(e, word, shift, mask):
+    """<16 x i32>: (u16 >> shift) & mask of the low u16 of `word` (<16 x i32>, a broadcast i32)
+    in lanes 0-7 (a chunk's), of its high u16 in lanes 8-15 (the next chunk's)."""
+    shifts = ir.Constant(V16I32, [shift] * 8 + [shift + 16] * 8)
+    return e.b.and_(e.b.lshr(word, shifts), splat(V16I32, mask))
+
+
 @layout(sub_cols=32, narrow=True)
 def iq1_s(e, blk, c0):
     """d f16 | qs[32] | qh u16[8] (4 x 3 high index bits, scale s, the delta's sign): w = d *
@@ -699,16 +706,14 @@ def iq1_s(e, blk, c0):
     b = e.b
     table = _iq1_table(e)
     for p in range(4):
-        qh = e.words(blk, 34 + 4 * p, I16, 2)
-        high = b.lshr(e.spread(qh, [0] * 4 + [1] * 4), ir.Constant(V8I32, [0, 3, 6, 9] * 2))
+        qh = e.load(blk, 34 + 4 * p, I32)  # the two chunks' u16 in one word
+        high = b.lshr(e.spread(qh, [0] * 8), ir.Constant(V8I32, [0, 3, 6, 9, 16, 19, 22, 25]))
         indices = b.or_(e.words(blk, 2 + 8 * p, I8, 8),
                         b.shl(b.and_(high, splat(V8I32, 7)), splat(V8I32, 8)))  # fmt: skip
         levels = b.bitcast(e.gather64(table, indices), V64I8)
-        per_lane = e.spread(qh, [0] * 8 + [1] * 8)
-        negative = b.lshr(per_lane, splat(V16I32, 15))
-        offsets = b.add(splat(V16I32, 7), b.shl(negative, splat(V16I32, 1)))
-        scales = b.and_(b.lshr(per_lane, splat(V16I32, 12)), splat(V16I32, 7))
-        odd = b.or_(b.shl(scales, splat(V16I32, 1)), splat(V16I32, 1))
+        per_lane = e.spread(qh, [0] * 16)
+        offsets = b.add(_u16_field(e, per_lane, 14, 2), splat(V16I32, 7))  # 7, or 9: sign bit
+        odd = b.or_(_u16_field(e, per_lane, 11, 14), splat(V16I32, 1))  # 2s + 1
         yield Chunk(e.chunk_index(c0, 2 * p), levels, offsets, odd)
     yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
 
@@ -729,8 +734,8 @@ def iq1_m(e, blk, c0):
     )  # fmt: skip
     d = b.fpext(b.bitcast(b.trunc(bits, I16), ir.HalfType()), F32)
     for p in range(4):
-        qh = e.spread(e.words(blk, 32 + 4 * p, I16, 2), [0] * 4 + [1] * 4)
-        nibbles = b.and_(b.lshr(qh, ir.Constant(V8I32, [0, 4, 8, 12] * 2)), splat(V8I32, 15))
+        qh = e.spread(e.load(blk, 32 + 4 * p, I32), [0] * 8)
+        nibbles = b.and_(b.lshr(qh, ir.Constant(V8I32, list(range(0, 32, 4)))), splat(V8I32, 15))
         indices = b.or_(e.words(blk, 8 * p, I8, 8),
                         b.shl(b.and_(nibbles, splat(V8I32, 7)), splat(V8I32, 8)))  # fmt: skip
         levels = b.bitcast(e.gather64(table, indices), V64I8)
