@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -209,6 +210,20 @@ def test_close_releases_the_map_but_held_views_stay_valid(tmp_path):
     gf.close()
     with pytest.raises(ValueError):
         gf._mmap[0]  # nothing held a view, so the map really was unmapped
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage"), reason="no transparent huge pages"
+)
+def test_the_map_asks_for_huge_pages(tmp_path):
+    """The weights' map carries MADV_HUGEPAGE (VmFlags "hg" in /proc/self/smaps): what the
+    kernel reads of the file for it is cached in 2 MiB folios, one TLB entry each."""
+    path = write_gguf(tmp_path / "m.gguf", {"general.architecture": "llama"}, tiny_tensors())
+    with read_gguf(path):
+        entries = Path("/proc/self/smaps").read_text().split("\n")
+        at = next(i for i, line in enumerate(entries) if line.endswith(str(path)))
+        flags = next(line for line in entries[at:] if line.startswith("VmFlags:"))
+    assert "hg" in flags.split(), flags
 
 
 @pytest.mark.parametrize(
