@@ -34,7 +34,7 @@ import numpy as np
 from llvmlite import ir
 from numba.core import cgutils
 
-from .cpu import BIT_SHUFFLES, INSTRUCTION_SET, TILE_LANES
+from .cpu import BIT_SHUFFLES, INSTRUCTION_SET, MASK_REGISTERS, TILE_LANES
 from .iquants import (
     IQ1_GRID,
     IQ2S_GRID,
@@ -48,7 +48,7 @@ from .iquants import (
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 F32 = ir.FloatType()
 V4I32 = ir.VectorType(I32, 4)
-V16I8, V32I8, V64I8 = ir.VectorType(I8, 16), ir.VectorType(I8, 32), ir.VectorType(I8, 64)
+V8I8, V16I8, V32I8, V64I8 = (ir.VectorType(I8, n) for n in (8, 16, 32, 64))
 V8I32, V8F32, V16I32 = ir.VectorType(I32, 8), ir.VectorType(F32, 8), ir.VectorType(I32, 16)
 ONE = ir.Constant(I32, 1)
 ZMM = TILE_LANES == 16  # 512-bit registers in use: a reader may yield 64-weight chunks (halves)
@@ -196,8 +196,8 @@ class BlockReader:
         return self.b.shuffle_vector(one, ir.Constant(V8I32, None), ir.Constant(V8I32, [0] * 8))
 
     def spread(self, values, picks):
-        """<len(picks) x i32>: values[picks[k]] (a vector's elements, or a scalar, repeated or
-        reordered)."""
+        """<len(picks) x T>: values[picks[k]] (a vector's elements of type T, or a scalar of type
+        T, repeated or reordered)."""
         if not isinstance(values.type, ir.VectorType):
             one = ir.VectorType(values.type, 1)
             values = self.b.insert_element(ir.Constant(one, None), values, ir.Constant(I32, 0))
@@ -265,9 +265,20 @@ class BlockReader:
         args = (ir.Constant(v4i64, None), base, indices, splat(v4i64, -1), ir.Constant(I8, 8))
         return self.intrinsic("llvm.x86.avx2.gather.d.q.256", v4i64, *args)
 
-    def sign_bits(self, bits32):
-        """<32 x i1>: bit k of the i32 bits32 (a mask register with AVX-512)."""
-        return self.b.bitcast(bits32, ir.VectorType(ir.IntType(1), 32))
+    def sign_bits(self, bits):
+        """<n x i1>: bit k of `bits`, an i32 or i64 or n / 8 bytes (<n/8 x i8>). With AVX-512BW a
+        mask register (kmov); elsewhere each byte spread to 8 lanes and tested against its bit
+        (vpshufb, vpand, vpcmpeqb, as ggml's AVX2 kernels): LLVM would take the bits one by one
+        from a bitcast (10x slower)."""
+        b = self.b
+        if not isinstance(bits.type, ir.VectorType):
+            bits = b.bitcast(bits, ir.VectorType(I8, bits.type.width // 8))
+        n = 8 * bits.type.count
+        if MASK_REGISTERS:
+            return b.bitcast(b.bitcast(bits, ir.IntType(n)), ir.VectorType(ir.IntType(1), n))
+        spread = self.spread(bits, [k // 8 for k in range(n)])
+        bit_of = ir.Constant(ir.VectorType(I8, n), [1 << (k % 8) for k in range(n)])
+        return b.icmp_unsigned("!=", b.and_(spread, bit_of), ir.Constant(spread.type, None))
 
     def negate(self, v, bits):
         """<n x i8> v negated where bits (<n x i1>) is set: one masked blend with -v."""
@@ -535,7 +546,7 @@ def iq3_s(e, blk, c0):
         qh = e.spread(e.words(blk, 66 + 2 * p, I16, 1), [0] * 16)
         high = b.and_(b.lshr(qh, ir.Constant(V16I32, list(range(16)))), splat(V16I32, 1))
         levels = e.gather(table, b.or_(low, b.shl(high, splat(V16I32, 8))))
-        signs = Signs(b.bitcast(e.load(blk, 74 + 8 * p, I64), ir.VectorType(ir.IntType(1), 64)))
+        signs = Signs(e.sign_bits(e.load(blk, 74 + 8 * p, V8I8)))
         nibbles = b.lshr(e.spread(e.words(blk, 106 + p, I8, 1), [0] * 16),
                          ir.Constant(V16I32, [0] * 8 + [4] * 8))  # fmt: skip
         odd = b.or_(b.shl(b.and_(nibbles, splat(V16I32, 15)), splat(V16I32, 1)), splat(V16I32, 1))
@@ -571,7 +582,7 @@ def _ksigns(e, word, shifts):
     fields = b.and_(b.trunc(lanes, V4I32), splat(V4I32, 127))
     parity = b.and_(e.intrinsic("llvm.ctpop.v4i32", V4I32, fields), splat(V4I32, 1))
     signs = b.or_(fields, b.shl(parity, splat(V4I32, 7)))
-    return Signs(e.sign_bits(b.bitcast(b.trunc(signs, ir.VectorType(I8, 4)), I32)))
+    return Signs(e.sign_bits(b.trunc(signs, ir.VectorType(I8, 4))))
 
 
 def _ksigns_wide(e, words, shifts):
@@ -679,7 +690,7 @@ def iq2_s(e, blk, c0):
         qh = e.spread(e.words(blk, 66 + 2 * p, I16, 1), [0] * 8)
         high = b.and_(b.lshr(qh, ir.Constant(V8I32, list(range(0, 16, 2)))), splat(V8I32, 3))
         levels = e.gather64(table, b.or_(low, b.shl(high, splat(V8I32, 8))))
-        signs = Signs(b.bitcast(e.load(blk, 34 + 8 * p, I64), ir.VectorType(ir.IntType(1), 64)))
+        signs = Signs(e.sign_bits(e.load(blk, 34 + 8 * p, V8I8)))
         odd = _odd_quarters(e, blk, 74 + 2 * p)
         yield Chunk(e.chunk_index(c0, 2 * p), b.bitcast(levels, V64I8), signs, odd)
     yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))

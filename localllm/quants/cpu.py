@@ -60,6 +60,10 @@ _USABLE = _target_features() & host_features()
 INSTRUCTION_SET = _instruction_set(_USABLE)
 TILE_LANES = tile_lanes(_USABLE)
 
+# AVX-512BW/VL: <n x i1> vectors live in mask registers (elsewhere blocks.BlockReader.sign_bits
+# builds byte masks instead)
+MASK_REGISTERS = {"avx512bw", "avx512vl"} <= _USABLE
+
 # GFNI and AVX-512 BITALG (Ice Lake, Zen 4 and later): the grid types' sign bits in a few
 # instructions (blocks._ksigns)
 BIT_SHUFFLES = {"gfni", "avx512bitalg", "avx512bw", "avx512vl"} <= _USABLE
