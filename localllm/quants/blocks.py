@@ -231,39 +231,26 @@ class BlockReader:
             table.initializer = ir.Constant(table_type, [int(v) for v in values])
         return module.globals[name]
 
-    def gather(self, table, indices):
-        """<n x i32>: table[indices[k]] for <n x i32> indices, n = 8 (vpgatherdd ymm) or 16 (one
-        zmm gather with 512-bit registers, else two ymm)."""
+    def gather(self, table, indices, element=I32):
+        """<n x element>: table[indices[k]] for <n x i32> indices, element i32 or i64: one ymm
+        gather (vpgatherdd of 8, vpgatherdq of 4), or twice that many in one zmm gather where
+        512-bit registers are in use, else in two ymm ones."""
         b = self.b
+        n, size = indices.type.count, element.width // 8
+        per_ymm = 32 // size
+        if n == 2 * per_ymm and not ZMM:
+            halves = [self.spread(indices, list(range(h, h + per_ymm))) for h in (0, per_ymm)]
+            return self.concat(*(self.gather(table, h, element) for h in halves))
         base = b.bitcast(table, I8.as_pointer())
-        if indices.type.count == 16 and not ZMM:
-            halves = [b.shuffle_vector(indices, indices, ir.Constant(V8I32, list(range(h, h + 8))))
-                      for h in (0, 8)]  # fmt: skip
-            return self.concat(*(self.gather(table, h) for h in halves))
-        if indices.type.count == 16:
-            mask = ir.Constant(ir.VectorType(ir.IntType(1), 16), [1] * 16)
-            args = (ir.Constant(V16I32, None), base, indices, mask, ir.Constant(I32, 4))
-            return self.intrinsic("llvm.x86.avx512.mask.gather.dpi.512", V16I32, *args)
-        args = (ir.Constant(V8I32, None), base, indices, splat(V8I32, -1), ir.Constant(I8, 4))
-        return self.intrinsic("llvm.x86.avx2.gather.d.d.256", V8I32, *args)
-
-    def gather64(self, table, indices):
-        """<n x i64>: table[indices[k]] for <n x i32> indices, n = 4 (vpgatherdq ymm) or 8 (one
-        zmm gather with 512-bit registers, else two ymm)."""
-        b = self.b
-        base = b.bitcast(table, I8.as_pointer())
-        if indices.type.count == 8 and not ZMM:
-            halves = [b.shuffle_vector(indices, indices, ir.Constant(V4I32, list(range(h, h + 4))))
-                      for h in (0, 4)]  # fmt: skip
-            return self.concat(*(self.gather64(table, h) for h in halves))
-        if indices.type.count == 8:
-            v8i64 = ir.VectorType(I64, 8)
-            mask = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1] * 8)
-            args = (ir.Constant(v8i64, None), base, indices, mask, ir.Constant(I32, 8))
-            return self.intrinsic("llvm.x86.avx512.mask.gather.dpq.512", v8i64, *args)
-        v4i64 = ir.VectorType(I64, 4)
-        args = (ir.Constant(v4i64, None), base, indices, splat(v4i64, -1), ir.Constant(I8, 8))
-        return self.intrinsic("llvm.x86.avx2.gather.d.q.256", v4i64, *args)
+        result = ir.VectorType(element, n)
+        if n == 2 * per_ymm:
+            mask = ir.Constant(ir.VectorType(ir.IntType(1), n), [1] * n)
+            args = (ir.Constant(result, None), base, indices, mask, ir.Constant(I32, size))
+            name = {4: "dpi", 8: "dpq"}[size]
+            return self.intrinsic(f"llvm.x86.avx512.mask.gather.{name}.512", result, *args)
+        args = (ir.Constant(result, None), base, indices, splat(result, -1), ir.Constant(I8, size))
+        name = {4: "d.d", 8: "d.q"}[size]
+        return self.intrinsic(f"llvm.x86.avx2.gather.{name}.256", result, *args)
 
     def sign_bits(self, bits):
         """<n x i1>: bit k of `bits`, an i32 or i64 or n / 8 bytes (<n/8 x i8>). With AVX-512BW a
@@ -572,13 +559,7 @@ def _ksigns(e, word, shifts):
     lanes = b.lshr(_splat4(e, b.zext(word, I64) if word.type != I64 else word),
                    ir.Constant(v4i64, shifts))  # fmt: skip
     if BIT_SHUFFLES:
-        with_parity = e.intrinsic(
-            "llvm.x86.vgf2p8affineqb.256", V32I8, b.bitcast(lanes, V32I8),
-            b.bitcast(splat(v4i64, KSIGNS_AFFINE), V32I8), ir.Constant(I8, 0),
-        )  # fmt: skip
-        bit_of = ir.Constant(V32I8, list(range(8)) * 4)
-        bits = ir.VectorType(ir.IntType(1), 32)
-        return Signs(e.intrinsic("llvm.x86.avx512.vpshufbitqmb.256", bits, with_parity, bit_of))
+        return _ksign_mask(e, lanes)
     fields = b.and_(b.trunc(lanes, V4I32), splat(V4I32, 127))
     parity = b.and_(e.intrinsic("llvm.ctpop.v4i32", V4I32, fields), splat(V4I32, 1))
     signs = b.or_(fields, b.shl(parity, splat(V4I32, 7)))
@@ -594,16 +575,22 @@ def _ksigns_wide(e, words, shifts):
                          for k in (0, 1))  # fmt: skip
         both = ir.Constant(ir.VectorType(I32, 64), list(range(64)))
         return Signs(b.shuffle_vector(first.bits, second.bits, both))
-    v8i64, v64i8 = ir.VectorType(I64, 8), ir.VectorType(I8, 64)
     lanes = b.shuffle_vector(words, words, ir.Constant(V8I32, [0] * 4 + [1] * 4))
-    lanes = b.lshr(lanes, ir.Constant(v8i64, shifts * 2))
+    return _ksign_mask(e, b.lshr(lanes, ir.Constant(ir.VectorType(I64, 8), shifts * 2)))
+
+
+def _ksign_mask(e, lanes):
+    """Signs (<8n x i1>) of n lanes of i64 (n = 4 or 8) whose low bytes hold 7 sign bits each:
+    one vgf2p8affineqb writes their parity as bit 7, one vpshufbitqmb takes the bytes' bits."""
+    n = lanes.type.count
+    v_i8 = ir.VectorType(I8, 8 * n)
     with_parity = e.intrinsic(
-        "llvm.x86.vgf2p8affineqb.512", v64i8, b.bitcast(lanes, v64i8),
-        b.bitcast(splat(v8i64, KSIGNS_AFFINE), v64i8), ir.Constant(I8, 0),
+        f"llvm.x86.vgf2p8affineqb.{64 * n}", v_i8, e.b.bitcast(lanes, v_i8),
+        e.b.bitcast(splat(lanes.type, KSIGNS_AFFINE), v_i8), ir.Constant(I8, 0),
     )  # fmt: skip
-    bit_of = ir.Constant(v64i8, list(range(8)) * 8)
-    bits = ir.VectorType(ir.IntType(1), 64)
-    return Signs(e.intrinsic("llvm.x86.avx512.vpshufbitqmb.512", bits, with_parity, bit_of))
+    bit_of = ir.Constant(v_i8, list(range(8)) * n)
+    bits = ir.VectorType(ir.IntType(1), 8 * n)
+    return Signs(e.intrinsic(f"llvm.x86.avx512.vpshufbitqmb.{64 * n}", bits, with_parity, bit_of))
 
 
 # vgf2p8affineqb's matrix for ksigns: output bit i (< 7) is input bit i (matrix byte 7 - i holds
@@ -657,7 +644,7 @@ def iq2_xxs(e, blk, c0):
     for p in range(4):
         pair = e.load(blk, 2 + 16 * p, V16I8)  # indices 0-3, aux 0, indices 4-7, aux 1
         indices = b.zext(e.spread(pair, [0, 1, 2, 3, 8, 9, 10, 11]), V8I32)
-        levels = b.bitcast(e.gather64(table, indices), V64I8)
+        levels = b.bitcast(e.gather(table, indices, I64), V64I8)
         signs = _ksigns_wide(e, b.bitcast(pair, ir.VectorType(I64, 2)), [32, 39, 46, 53])
         aux = e.spread(b.bitcast(pair, V4I32), [1, 3])
         yield Chunk(e.chunk_index(c0, 2 * p), levels, signs, _odd_top(e, aux))
@@ -672,7 +659,7 @@ def iq2_xs(e, blk, c0):
     table = _iq2_grid_table(e, "iq2xs_grid", IQ2XS_GRID)
     for p in range(4):
         q = e.words(blk, 2 + 16 * p, I16, 8)
-        levels = b.bitcast(e.gather64(table, b.and_(q, splat(V8I32, 511))), V64I8)
+        levels = b.bitcast(e.gather(table, b.and_(q, splat(V8I32, 511)), I64), V64I8)
         signs = _ksigns_wide(e, e.load(blk, 2 + 16 * p, ir.VectorType(I64, 2)), [9, 25, 41, 57])
         yield Chunk(e.chunk_index(c0, 2 * p), levels, signs, _odd_quarters(e, blk, 66 + 2 * p))
     yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
@@ -689,7 +676,7 @@ def iq2_s(e, blk, c0):
         low = e.words(blk, 2 + 8 * p, I8, 8)
         qh = e.spread(e.words(blk, 66 + 2 * p, I16, 1), [0] * 8)
         high = b.and_(b.lshr(qh, ir.Constant(V8I32, list(range(0, 16, 2)))), splat(V8I32, 3))
-        levels = e.gather64(table, b.or_(low, b.shl(high, splat(V8I32, 8))))
+        levels = e.gather(table, b.or_(low, b.shl(high, splat(V8I32, 8))), I64)
         signs = Signs(e.sign_bits(e.load(blk, 34 + 8 * p, V8I8)))
         odd = _odd_quarters(e, blk, 74 + 2 * p)
         yield Chunk(e.chunk_index(c0, 2 * p), b.bitcast(levels, V64I8), signs, odd)
@@ -721,7 +708,7 @@ def iq1_s(e, blk, c0):
         high = b.lshr(e.spread(qh, [0] * 8), ir.Constant(V8I32, [0, 3, 6, 9, 16, 19, 22, 25]))
         indices = b.or_(e.words(blk, 2 + 8 * p, I8, 8),
                         b.shl(b.and_(high, splat(V8I32, 7)), splat(V8I32, 8)))  # fmt: skip
-        levels = b.bitcast(e.gather64(table, indices), V64I8)
+        levels = b.bitcast(e.gather(table, indices, I64), V64I8)
         per_lane = e.spread(qh, [0] * 16)
         offsets = b.add(_u16_field(e, per_lane, 14, 2), splat(V16I32, 7))  # 7, or 9: sign bit
         odd = b.or_(_u16_field(e, per_lane, 11, 14), splat(V16I32, 1))  # 2s + 1
@@ -749,7 +736,7 @@ def iq1_m(e, blk, c0):
         nibbles = b.and_(b.lshr(qh, ir.Constant(V8I32, list(range(0, 32, 4)))), splat(V8I32, 15))
         indices = b.or_(e.words(blk, 8 * p, I8, 8),
                         b.shl(b.and_(nibbles, splat(V8I32, 7)), splat(V8I32, 8)))  # fmt: skip
-        levels = b.bitcast(e.gather64(table, indices), V64I8)
+        levels = b.bitcast(e.gather(table, indices, I64), V64I8)
         negative = b.lshr(nibbles, splat(V8I32, 3))
         offsets = b.add(splat(V8I32, 7), b.shl(negative, splat(V8I32, 1)))
         offsets = e.spread(offsets, [k // 2 for k in range(16)])
