@@ -192,8 +192,7 @@ class BlockReader:
 
     def splat8i(self, value):
         """An i32 broadcast to <8 x i32>."""
-        one = self.b.insert_element(ir.Constant(V8I32, None), value, ir.Constant(I32, 0))
-        return self.b.shuffle_vector(one, ir.Constant(V8I32, None), ir.Constant(V8I32, [0] * 8))
+        return self.spread(value, [0] * 8)
 
     def spread(self, values, picks):
         """<len(picks) x T>: values[picks[k]] (a vector's elements of type T, or a scalar of type
@@ -541,13 +540,6 @@ def iq3_s(e, blk, c0):
     yield BlockEnd(c0, e.f16(blk, 0))
 
 
-def _splat4(e, value):
-    """<4 x i32> of an i32, <4 x i64> of an i64."""
-    vec = ir.VectorType(value.type, 4)
-    one = e.b.insert_element(ir.Constant(vec, None), value, ir.Constant(I32, 0))
-    return e.b.shuffle_vector(one, ir.Constant(vec, None), ir.Constant(V4I32, [0] * 4))
-
-
 def _ksigns(e, word, shifts):
     """Signs of 32 weights, 8 per 7 sign bits of the integer `word` (i32 or i64) at bit positions
     `shifts`; the 8th sign is their parity (ggml's ksigns_iq2xs). With GFNI and BITALG four
@@ -556,7 +548,7 @@ def _ksigns(e, word, shifts):
     32 bits as a mask). Elsewhere the parity by vpopcntd, and the bytes moved to a mask."""
     b = e.b
     v4i64 = ir.VectorType(I64, 4)
-    lanes = b.lshr(_splat4(e, b.zext(word, I64) if word.type != I64 else word),
+    lanes = b.lshr(e.spread(b.zext(word, I64) if word.type != I64 else word, [0] * 4),
                    ir.Constant(v4i64, shifts))  # fmt: skip
     if BIT_SHUFFLES:
         return _ksign_mask(e, lanes)
