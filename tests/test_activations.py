@@ -45,7 +45,10 @@ def _q8_k_reference(x):
     for t in range(x.shape[0]):
         for b in range(x.shape[1] // 256):
             block = x[t, b * 256 : b * 256 + 256]
-            vmax = block[np.argmax(np.abs(block))]
+            vmax = block[np.argmax(np.abs(block))]  # the first of largest magnitude
+            if vmax == 0:  # ggml: d = 0, quants 0
+                out[t, b * 256 : b * 256 + 256] = 0.0
+                continue
             iscale = np.float32(-127) / vmax
             q = np.minimum(127, np.rint(iscale * block))
             out[t, b * 256 : b * 256 + 256] = (np.float32(1) / iscale) * q
@@ -56,6 +59,9 @@ def _q8_k_reference(x):
 def test_q8_rounding_matches_ggml_formula(kind):
     x = rng.standard_normal((3, 512)).astype(np.float32)
     x[1, :32] = 0.0  # an all-zero block
+    x[1, 256:] = 0.0  # an all-zero super-block
+    x[0, 261], x[0, 356] = -9.0, 9.0  # the largest magnitude twice: Q8_K scales by the first
+    x[2, 10], x[2, 20] = 9.0, -9.0
     out = round_activations(x, kind, np.empty_like(x))
     expected = _q8_k_reference(x) if kind == "q8_K" else _q8_0_reference(x)
     np.testing.assert_array_equal(out, expected)

@@ -463,22 +463,28 @@ def quantize_q8(x, super_block, xq, xd, xs, xl, xb):
     consecutive ones, int32[n_tokens, n_cols // 4], xb of 16 (ggml's Q8_K bsums), int32[n_tokens,
     n_cols // 16]. The same rounding as activations.round_activations."""
     n_tokens, n_cols = x.shape
+    u = np.uint64  # indices as unsigned: Numba's wraparound of a negative index would make the
+    # loops' loads and stores gathers and scatters (10x slower); views cost a refcount each
     for t in range(n_tokens):
-        row, quants = x[t], xq[t]
+        row, quants, fours, sixteens = x[t], xq[t], xl[t], xb[t]
         for s in range(n_cols // super_block):
             lo, hi = s * super_block, (s + 1) * super_block
             d, inv, d_raw = q8_scale(row[lo:hi])
-            for i in range(lo // 4, hi // 4):  # the quants and their sums by 4 in one loop
-                total = np.int32(0)
-                for j in range(4 * i, 4 * i + 4):
-                    q = min(np.float32(127.0), np.rint(row[j] * inv))
-                    quants[j] = np.int8(q)
-                    total += np.int32(q)
-                xl[t, i] = total
+            for j in range(lo, hi):
+                quants[u(j)] = np.int8(min(np.float32(127.0), np.rint(row[u(j)] * inv)))
+            for i in range(lo // 4, hi // 4):
+                j = u(4 * i)
+                fours[u(i)] = (
+                    np.int32(quants[j])
+                    + np.int32(quants[j + u(1)])
+                    + np.int32(quants[j + u(2)])
+                    + np.int32(quants[j + u(3)])
+                )
             for i in range(lo // 16, hi // 16):
-                xb[t, i] = xl[t, 4 * i] + xl[t, 4 * i + 1] + xl[t, 4 * i + 2] + xl[t, 4 * i + 3]
+                j = u(4 * i)
+                sixteens[u(i)] = fours[j] + fours[j + u(1)] + fours[j + u(2)] + fours[j + u(3)]
             for c in range(lo // 32, hi // 32):
-                total = xb[t, 2 * c] + xb[t, 2 * c + 1]
+                total = sixteens[u(2 * c)] + sixteens[u(2 * c + 1)]
                 xd[t, c] = d
                 xs[t, c] = round_f16(d_raw * np.float32(total)) if super_block == 32 else d * total
 
