@@ -20,6 +20,7 @@ from localllm.gguf import TensorInfo
 from localllm.kv_cache import PAGE_TOKENS, page_spans
 from localllm.quants import QuantType, intdot
 from localllm.quants.activations import Q8_BLOCK_SIZE, round_activations
+from localllm.quants.cpu import HARDWARE_HALF
 from localllm.threads import ThreadTuner, physical_cores
 
 # From this many tokens on (a prompt chunk, a batch of sequences), the integer products take
@@ -275,11 +276,16 @@ class CPUBackend:
         """Store k, v: float32[n_tokens, n_kv_heads, head_dim] at start_pos.. through the page
         table, as half bits (rounded to nearest even, as ggml converts to its f16 cache) in a
         uint16 pool, as they are in a float32 one."""
-        if k_pool.dtype == np.uint16:
+        halves = k_pool.dtype == np.uint16
+        if halves and not HARDWARE_HALF:
             k, v = k.astype(np.float16).view(np.uint16), v.astype(np.float16).view(np.uint16)
         for page, row, first, n in page_spans(pages, k_pool.shape[1], start_pos, k.shape[0]):
-            k_pool[page, row : row + n] = k[first : first + n]
-            v_pool[page, row : row + n] = v[first : first + n]
+            if halves and HARDWARE_HALF:
+                last = first + n
+                ops.write_half_rows(k_pool, v_pool, page, row, k[first:last], v[first:last])
+            else:
+                k_pool[page, row : row + n] = k[first : first + n]
+                v_pool[page, row : row + n] = v[first : first + n]
 
     # -- ops --------------------------------------------------------------------------------
 

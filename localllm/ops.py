@@ -275,6 +275,31 @@ def _half_bits_to_f32(typingctx, bits):
 
 
 @intrinsic
+def _f32_to_half_bits(typingctx, v):
+    """float32 -> the bits of the nearest IEEE half (ties to even, inf past 65504), by LLVM's
+    fptrunc (vcvtps2ph): numpy's astype(float16), NaN payloads aside."""
+    if v == types.float32:
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+        return types.uint16(v), codegen
+    return None
+
+
+@njit(cache=True)
+def write_half_rows(k_pool, v_pool, page, row, k, v):
+    """k_pool[page, row + i], v_pool[page, row + i] = k[i], v[i] as IEEE half bits, for the rows
+    of k, v: float32[n, n_kv_heads, head_dim] (a K/V cache write, in one call: numpy's
+    conversions and slice assignments cost 9 us a token and layer). Needs HARDWARE_HALF."""
+    for i in range(k.shape[0]):
+        for h in range(k.shape[1]):
+            for d in range(k.shape[2]):
+                k_pool[page, row + i, h, d] = _f32_to_half_bits(k[i, h, d])
+                v_pool[page, row + i, h, d] = _f32_to_half_bits(v[i, h, d])
+
+
+@intrinsic
 def prefetch(typingctx, array, index, offset):
     """Ask the CPU to start loading the cache line `offset` bytes into array[index] (index into
     the first dimension): a hint with no effect on the results."""

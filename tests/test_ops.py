@@ -9,6 +9,7 @@ from numba import njit
 
 from localllm import ops
 from localllm.quants.activations import f16_bits
+from localllm.quants.cpu import HARDWARE_HALF
 
 rng = np.random.default_rng(0)
 
@@ -352,6 +353,23 @@ def test_f16_bits_match_numpy():
     ).astype(np.float32)
     ours = np.array([f16_bits(v) for v in values], np.uint32)
     np.testing.assert_array_equal(ours, values.astype(np.float16).view(np.uint16))
+
+
+@pytest.mark.skipif(not HARDWARE_HALF, reason="the CPU converts to half in software")
+def test_kv_writes_store_numpys_halves():
+    """CPUBackend.write_kv (ops.write_half_rows) stores numpy's float16 bits, across pages."""
+    from localllm.backend import CPUBackend
+
+    n_kv, head_dim, page_tokens = 2, 64, 4
+    values = rng.standard_normal((6, n_kv, head_dim)) * 10.0 ** rng.integers(-9, 4, (6, n_kv, 1))
+    k = values.astype(np.float32)
+    k[0, 0, :8] = [0.0, -0.0, 65504.0, 65520.0, -1e6, 2.98e-8, 6.1e-5, np.inf]
+    v = -k[::-1].copy()
+    pools = [np.zeros((3, page_tokens, n_kv, head_dim), np.uint16) for _ in "kv"]
+    CPUBackend(1).write_kv(*pools, np.array([2, 0, 1], np.int32), 1, k, v)
+    for pool, x in zip(pools, (k, v), strict=True):
+        rows = np.concatenate([pool[2], pool[0], pool[1]])[1:7]  # positions 1..6 in page order
+        np.testing.assert_array_equal(rows, x.astype(np.float16).view(np.uint16))
 
 
 def test_swiglu_oai_clamps_as_ggml():
