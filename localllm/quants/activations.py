@@ -128,11 +128,14 @@ def q8_scale(block):
 @njit(cache=True)
 def _q8_rows(x, out, super_block):
     n_tokens, n_cols = x.shape
+    u = np.uint64  # unsigned indices: no wraparound, so no gathers and scatters (quantize_q8)
     for t in range(n_tokens):
+        row, rounded = x[t], out[t]
         for lo in range(0, n_cols, super_block):
-            d, inv, _ = q8_scale(x[t, lo : lo + super_block])
+            d, inv, _ = q8_scale(row[lo : lo + super_block])
             for j in range(lo, lo + super_block):
-                out[t, j] = d * np.float32(min(np.float32(127.0), np.rint(x[t, j] * inv)))
+                q = min(np.float32(127.0), np.rint(row[u(j)] * inv))
+                rounded[u(j)] = d * np.float32(q)
 
 
 @njit(parallel=True, cache=True)

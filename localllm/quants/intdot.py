@@ -238,8 +238,7 @@ class _Emitter(BlockReader):
             assert self.held[row] is None, "a paired type's blocks hold an even number of chunks"
             wide = b.load(self.iacc16[row])
             b.store(ir.Constant(_V16I32, None), self.iacc16[row])
-            parts = [b.shuffle_vector(wide, wide, ir.Constant(V8I32, list(range(h, h + 8))))
-                     for h in (0, 8)]  # fmt: skip
+            parts = [self.spread(wide, list(range(h, h + 8))) for h in (0, 8)]
             lanes = b.add(lanes, b.add(*parts))
         if self.deferred:
             self.pending[row].append((lanes, end))
