@@ -1,6 +1,8 @@
 """The KV cache: one pool of K/V pages per model, and each sequence's table of the pages it holds.
 
-A page holds the K and V rows of `page_tokens` consecutive positions, for every layer. A
+A page holds the K and V rows of `page_tokens` consecutive positions, for every layer, each
+K/V head's rows contiguous (attention reads one head at a time: whole runs of its rows stream
+from memory at twice the speed of one head's slice of every position's row). A
 sequence (`KVCache`) owns a list of pages, its page table, and attention reads through it
 (ops.attention), so memory follows the sequences' actual lengths: the pool's arrays are zeros
 that the OS only backs once written, and freed pages are handed out again first.
@@ -40,7 +42,7 @@ def page_key(parent: bytes, tokens) -> bytes:
 
 
 class KVPool:
-    """The K/V pages of one model: k, v: [layer, page, page_tokens, kv_head, head_dim], in the
+    """The K/V pages of one model: k, v: [layer, page, kv_head, page_tokens, head_dim], in the
     element type the backend's attention reads (`zeros(shape)` allocates them).
 
     `capacity` pages are the pool's size: the arrays start with fewer and grow toward it as
@@ -59,7 +61,7 @@ class KVPool:
         self.capacity = capacity
         self.hard = hard
         self._zeros = zeros
-        self._rows = (n_layers, page_tokens, n_kv_heads, head_dim)
+        self._rows = (n_layers, n_kv_heads, page_tokens, head_dim)
         self.k = self.v = None
         self._refs: list[int] = []  # per page: how many sequences hold it
         self._key: list[bytes | None] = []  # per page: its key, if cached as a full page
@@ -77,6 +79,11 @@ class KVPool:
     def n_pages(self) -> int:
         """The pages the arrays hold now."""
         return len(self._refs)
+
+    @property
+    def row_shape(self) -> tuple[int, int]:
+        """(n_kv_heads, head_dim): one position's K (or V) row of one layer."""
+        return self._rows[1], self._rows[3]
 
     @property
     def page_nbytes(self) -> int:
@@ -162,8 +169,8 @@ class KVPool:
         """A new page (held once) with the first `rows` positions of `page`."""
         new = self.allocate()
         for layer in range(self._rows[0]):
-            self.k[layer, new, :rows] = self.k[layer, page, :rows]
-            self.v[layer, new, :rows] = self.v[layer, page, :rows]
+            self.k[layer, new, :, :rows] = self.k[layer, page, :, :rows]
+            self.v[layer, new, :, :rows] = self.v[layer, page, :, :rows]
         return new
 
     # -- the prefix cache ---------------------------------------------------------------------
@@ -379,10 +386,11 @@ class KVCache:
             self.pool.cache_tail(int(self.pages[n_full]), parent, rest)
         self.clear()
 
-    def positions(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """(page, row) of positions 0..n - 1: `pool.k[layer][pages, rows]` are their K rows."""
+    def positions(self, n: int) -> tuple[np.ndarray, slice, np.ndarray]:
+        """An index of positions 0..n - 1 into one layer's pages: `pool.k[layer][index]` are
+        their K rows, [n, n_kv_heads, head_dim] (pages, every head, rows)."""
         at = np.arange(n)
-        return self.pages[at // self.pool.page_tokens], at % self.pool.page_tokens
+        return self.pages[at // self.pool.page_tokens], slice(None), at % self.pool.page_tokens
 
 
 def page_spans(pages, page_tokens: int, start: int, n: int):

@@ -289,44 +289,15 @@ def _f32_to_half_bits(typingctx, v):
 
 @njit(cache=True)
 def write_half_rows(k_pool, v_pool, page, row, k, v):
-    """k_pool[page, row + i], v_pool[page, row + i] = k[i], v[i] as IEEE half bits, for the rows
-    of k, v: float32[n, n_kv_heads, head_dim] (a K/V cache write, in one call: numpy's
-    conversions and slice assignments cost 9 us a token and layer). Needs HARDWARE_HALF."""
-    for i in range(k.shape[0]):
-        for h in range(k.shape[1]):
+    """k_pool[page, h, row + i], v_pool[page, h, row + i] = k[i, h], v[i, h] as IEEE half bits,
+    for the rows of k, v: float32[n, n_kv_heads, head_dim] (a K/V cache write, in one call:
+    numpy's conversions and slice assignments cost 9 us a token and layer). Needs
+    HARDWARE_HALF."""
+    for h in range(k.shape[1]):
+        for i in range(k.shape[0]):
             for d in range(k.shape[2]):
-                k_pool[page, row + i, h, d] = _f32_to_half_bits(k[i, h, d])
-                v_pool[page, row + i, h, d] = _f32_to_half_bits(v[i, h, d])
-
-
-@intrinsic
-def prefetch(typingctx, array, index, offset):
-    """Ask the CPU to start loading the cache line `offset` bytes into array[index] (index into
-    the first dimension): a hint with no effect on the results."""
-    if (
-        isinstance(array, types.Array)
-        and isinstance(index, types.Integer)
-        and isinstance(offset, types.Integer)
-    ):
-
-        def codegen(context, builder, signature, args):
-            arr = context.make_array(signature.args[0])(context, builder, args[0])
-            stride = builder.extract_value(arr.strides, 0)
-            i = context.cast(builder, args[1], signature.args[1], types.intp)
-            byte = context.cast(builder, args[2], signature.args[2], types.intp)
-            base = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
-            at = builder.gep(base, [builder.add(builder.mul(i, stride), byte)])
-            i32 = ir.IntType(32)
-            fn = cgutils.get_or_insert_function(
-                builder.module,
-                ir.FunctionType(ir.VoidType(), [at.type, i32, i32, i32]),
-                "llvm.prefetch.p0",
-            )
-            builder.call(fn, [at, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-            return context.get_dummy_value()
-
-        return types.void(array, index, offset), codegen
-    return None
+                k_pool[page, h, row + i, d] = _f32_to_half_bits(k[i, h, d])
+                v_pool[page, h, row + i, d] = _f32_to_half_bits(v[i, h, d])
 
 
 # ---- attention
@@ -349,7 +320,6 @@ def prefetch(typingctx, array, index, offset):
 
 KV_CHUNK = 256  # keys per chunk (a multiple of KV_BLOCK)
 KV_BLOCK = 32  # keys converted to float32 at a time (a multiple of 8), the block in L1
-KV_PREFETCH = 16  # K/V rows this many positions ahead are prefetched
 LANES = 16  # floats per vector of the IR kernels (one AVX-512 register, two AVX2 ones)
 
 # Numba's loop vectorizer stops at 256 bits on AVX-512 CPUs and picks each loop's summation order
@@ -562,10 +532,11 @@ def _block_values(typingctx, acc, p, col, x, n):
 
 @intrinsic
 def _rows_to_f32(typingctx, cache, j0, n, kv, x):
-    """x[i, :head_dim] = cache[j0 + i, kv] for i < n, LANES elements per load: a C-contiguous
-    cache of IEEE half bits (converted, vcvtph2ps) or of float32; head_dim a multiple of LANES."""
+    """x[i, :head_dim] = cache[kv, j0 + i] for i < n, LANES elements per load: a page
+    [n_kv_heads, page_tokens, head_dim] of IEEE half bits (converted, vcvtph2ps) or of float32,
+    its last dimension contiguous (any strides else) and head_dim a multiple of LANES."""
     if not (
-        isinstance(cache, types.Array) and cache.ndim == 3 and cache.layout == "C"
+        isinstance(cache, types.Array) and cache.ndim == 3
         and cache.dtype in (types.uint16, types.float32) and _is_matrix(x)
     ):  # fmt: skip
         return None
@@ -574,19 +545,23 @@ def _rows_to_f32(typingctx, cache, j0, n, kv, x):
     def codegen(context, builder, signature, args):
         b = builder
         array = context.make_array(signature.args[0])(context, b, args[0])
-        _, n_kv_heads, head_dim = cgutils.unpack_tuple(b, array.shape, 3)
+        head_dim = b.extract_value(array.shape, 2)
+        head_stride, row_stride = (b.extract_value(array.strides, i) for i in (0, 1))
         first, count, head = (
             context.cast(b, args[i], signature.args[i], types.intp) for i in (1, 2, 3)
         )
         mx = _Matrix(context, b, signature.args[4], args[4])
         element = ir.IntType(16) if half else _F32
-        data = b.bitcast(array.data, element.as_pointer())
+        base = b.gep(
+            b.bitcast(array.data, ir.IntType(8).as_pointer()),
+            [b.add(b.mul(head, head_stride), b.mul(first, row_stride))],
+        )
         source = ir.VectorType(element, LANES).as_pointer()
         with cgutils.for_range(b, count) as row:
-            start = b.mul(b.add(b.mul(b.add(first, row.index), n_kv_heads), head), head_dim)
+            data = b.bitcast(b.gep(base, [b.mul(row.index, row_stride)]), element.as_pointer())
             with cgutils.for_range(b, b.udiv(head_dim, _int(LANES))) as vector:
                 at = b.mul(vector.index, _int(LANES))
-                value = b.load(b.bitcast(b.gep(data, [b.add(start, at)]), source), align=2)
+                value = b.load(b.bitcast(b.gep(data, [at]), source), align=2)
                 if half:
                     value = b.fpext(b.bitcast(value, ir.VectorType(ir.HalfType(), LANES)), _VF32)
                 mx.store_vector(value, row.index, at)
@@ -611,45 +586,29 @@ def _kv_value(x):
 
 
 def convert_rows(cache, j0, n, kv, x):
-    """x[i, :head_dim] = K/V head kv of cache[j0 + i] as float32, for i < n."""
+    """x[i, :head_dim] = K/V head kv of positions j0 + i of a page (cache: [n_kv_heads,
+    page_tokens, head_dim]) as float32, for i < n."""
 
 
 @njit(cache=True, inline="always")
 def _convert_elements(cache, j0, n, kv, x):
     for i in range(n):
         for d in range(cache.shape[2]):
-            x[i, d] = kv_value(cache[j0 + i, kv, d])
+            x[i, d] = kv_value(cache[kv, j0 + i, d])
 
 
 @overload(convert_rows, inline="always")
 def _convert_rows(cache, j0, n, kv, x):
-    if not (cache.layout == "C" and (cache.dtype == types.float32 or HARDWARE_HALF)):
+    if not (cache.dtype == types.float32 or HARDWARE_HALF):
         return lambda cache, j0, n, kv, x: _convert_elements(cache, j0, n, kv, x)
 
     def rows(cache, j0, n, kv, x):
-        if cache.shape[2] % LANES == 0:
+        if cache.shape[2] % LANES == 0 and cache.strides[2] == cache.itemsize:
             _rows_to_f32(cache, j0, n, kv, x)
         else:
             _convert_elements(cache, j0, n, kv, x)
 
     return rows
-
-
-@njit(cache=True, inline="always")
-def _prefetch_head_row(cache, position, row_start, row_end):
-    """Prefetch bytes row_start..row_end (one K/V head) of cache[position], line by line."""
-    for line in range(row_start, row_end, 64):
-        prefetch(cache, position, line)
-
-
-@njit(cache=True, inline="always")
-def _head_rows(cache, j0, n, last, kv, x):
-    """x[:n] = K/V head kv of cache[j0:j0 + n] as float32, the rows KV_PREFETCH positions on (up
-    to last) prefetched."""
-    head_bytes = cache.shape[2] * cache.itemsize
-    for j in range(j0 + KV_PREFETCH, min(j0 + n + KV_PREFETCH, last + 1)):
-        _prefetch_head_row(cache, j, kv * head_bytes, (kv + 1) * head_bytes)
-    convert_rows(cache, j0, n, kv, x)
 
 
 @njit(cache=True, inline="always")
@@ -672,12 +631,12 @@ def _block_length(j0, hi, page_tokens):
 
 
 @njit(cache=True, inline="always")
-def _page_rows(pool, table, j0, n, hi, kv, x):
+def _page_rows(pool, table, j0, n, kv, x):
     """x[:n] = K/V head kv of positions j0..j0 + n - 1 (in one page) of the sequence whose page
-    table is `table`, as float32; the next rows up to hi - 1 and the page's end prefetched."""
-    p = pool.shape[1]
-    base = j0 // p * p
-    _head_rows(pool[table[j0 // p]], j0 - base, n, min(hi, base + p) - 1 - base, kv, x)
+    table is `table`, as float32. (Each head's rows of a page are one run of memory, which the
+    CPU's own prefetchers stream: software prefetches ahead gained nothing.)"""
+    p = pool.shape[2]
+    convert_rows(pool[table[j0 // p]], j0 % p, n, kv, x)
 
 
 @njit(cache=True, inline="always")
@@ -697,8 +656,8 @@ def _chunk_scores(
             qh[g, d] = round_f16(q[t, h0 + g, d]) if round_q else q[t, h0 + g, d]
     j0 = lo
     while j0 < hi:
-        n = _block_length(j0, hi, k_pool.shape[1])
-        _page_rows(k_pool, table, j0, n, hi, kv, x)
+        n = _block_length(j0, hi, k_pool.shape[2])
+        _page_rows(k_pool, table, j0, n, kv, x)
         _block_scores(qh, x, n, s, j0 - lo, head_dim)
         j0 += n
     inv_cap = np.float32(1.0 / softcap) if softcap > 0 else np.float32(0.0)
@@ -759,8 +718,8 @@ def _chunk_values(kv, v_pool, table, pos, chunk, window, stats, norm, f16_probs,
             acc[g, d] = 0.0
     j0 = lo
     while j0 < hi:
-        n = _block_length(j0, hi, v_pool.shape[1])
-        _page_rows(v_pool, table, j0, n, hi, kv, x)
+        n = _block_length(j0, hi, v_pool.shape[2])
+        _page_rows(v_pool, table, j0, n, kv, x)
         _block_values(acc, s, j0 - lo, x, n)
         j0 += n
 
@@ -846,7 +805,7 @@ def attention(
 
     q: float32[n_rows, n_heads, head_dim]: rows first_rows[s]..first_rows[s + 1] - 1 are
     sequence s's tokens at positions starts[s]..
-    k_pool, v_pool: uint16[n_pages, page_tokens, n_kv_heads, head_dim], IEEE half bits
+    k_pool, v_pool: uint16[n_pages, n_kv_heads, page_tokens, head_dim], IEEE half bits
     (llama.cpp's f16 KV cache: half the memory and bandwidth of float32), or float32
     (CPUBackend's exact mode), one layer of a KVPool; tables: int32[n_seqs, pages]: position j
     of sequence s is row j % page_tokens of page tables[s, j // page_tokens], filled up to its
@@ -866,7 +825,7 @@ def attention(
     out: float32[n_rows, n_heads, head_dim]
     """
     n_rows = q.shape[0]
-    n_kv_heads = k_pool.shape[2]
+    n_kv_heads = k_pool.shape[1]
     if not split:
         for job in prange(n_rows * n_kv_heads):
             t, kv = job // n_kv_heads, job % n_kv_heads

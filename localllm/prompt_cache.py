@@ -54,7 +54,7 @@ class PromptCache:
         self.directory = cache_dir() if directory is None else directory
         identity = f"{Path(model_path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
         k = cache.pool.k
-        layout = f"{k.dtype}:{k.shape[0]}:{k.shape[3:]}"
+        layout = f"{k.dtype}:{k.shape[0]}:{cache.pool.row_shape}"
         self.model = hashlib.sha256(f"{identity}|{layout}".encode()).hexdigest()[:16]
         # the file the cache was last restored from (or written to), and its tokens
         self._source: tuple[Path, list[int]] | None = None
@@ -90,7 +90,7 @@ class PromptCache:
         """Copy the first n positions of the file (header and data offset read) into cache."""
         pool = cache.pool
         try:
-            rows = pool.k.shape[3:]
+            rows = pool.row_shape
             if header["dtype"] != str(pool.k.dtype) or tuple(header["rows"]) != rows:
                 return False
             shape = (2, pool.k.shape[0], len(header["tokens"]), *rows)
@@ -124,7 +124,7 @@ class PromptCache:
             return
         n = len(tokens)
         pool, at = cache.pool, cache.positions(n)
-        header = {"tokens": tokens, "dtype": str(pool.k.dtype), "rows": list(pool.k.shape[3:])}
+        header = {"tokens": tokens, "dtype": str(pool.k.dtype), "rows": list(pool.row_shape)}
         temporary = path.with_suffix(f".tmp{os.getpid()}")
         try:
             with open(temporary, "wb") as f:

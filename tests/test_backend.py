@@ -95,3 +95,21 @@ def test_a_mixture_of_experts_calls_only_protocol_methods():
     finally:
         model.close()
     assert {"gather_rows", "scatter_rows", "to_host"} <= backend.calls
+
+
+def test_kv_pool_arrays_are_writable_zeros_that_grow():
+    """CPUBackend.kv_zeros (huge_zeros: a private anonymous map asked for huge pages) gives
+    writable zeros of the shape and element type asked, and a KVPool grown on them keeps what
+    its pages held."""
+    from localllm.kv_cache import KVPool
+
+    for rounding, dtype in ((True, np.uint16), (False, np.float32)):
+        backend = CPUBackend(1, llama_cpp_rounding=rounding)
+        zeros = backend.kv_zeros((3, 2, 5, 4))
+        assert zeros.shape == (3, 2, 5, 4) and zeros.dtype == dtype and zeros.flags.writeable
+        assert zeros.flags.c_contiguous and not zeros.any()
+    pool = KVPool(2, 2, 8, 4, capacity=64, zeros=CPUBackend(1).kv_zeros)
+    page = pool.allocate()
+    pool.k[1, page, 1, 2, 3] = 7
+    pool.grow(40)
+    assert pool.n_pages == 40 and pool.k[1, page, 1, 2, 3] == 7 and pool.k.sum() == 7

@@ -314,14 +314,15 @@ def test_cuda_elementwise_ops():
 
 @needs_cuda
 def test_cuda_zeros_and_write_kv():
-    """A pool of 2 pages of 6 positions: the rows land in the sequence's page (page 1)."""
+    """A pool of 2 pages of 6 positions (2 K/V heads of 4): the rows land in the sequence's page
+    (page 1), each head's rows together."""
     b = backend()
-    k_pool, v_pool = b.kv_zeros((2, 6, 2, 4)), b.kv_zeros((2, 6, 2, 4))
+    k_pool, v_pool = b.kv_zeros((2, 2, 6, 4)), b.kv_zeros((2, 2, 6, 4))
     np.testing.assert_array_equal(b.to_host(k_pool), 0)
     k = np.arange(16, dtype=np.float32).reshape(2, 2, 4)
     b.write_kv(k_pool, v_pool, np.array([1], np.int32), 3, to_device(k), to_device(-k))
-    expected = np.zeros((2, 6, 2, 4), np.float32)
-    expected[1, 3:5] = k
+    expected = np.zeros((2, 2, 6, 4), np.float32)
+    expected[1, :, 3:5] = k.transpose(1, 0, 2)
     np.testing.assert_array_equal(b.to_host(k_pool), expected)
     np.testing.assert_array_equal(b.to_host(v_pool), -expected)
 

@@ -21,17 +21,16 @@ def _write(cache: KVCache, tokens: list[int]) -> None:
     """Append tokens as a forward pass would: K = V = the token id in every row."""
     start = cache.n_past
     cache.prepare(start, len(tokens))
-    page, row = cache.positions(start + len(tokens))
+    page, heads, row = cache.positions(start + len(tokens))
     for layer in range(2):
         for pool in (cache.pool.k, cache.pool.v):
-            pool[layer][page[start:], row[start:]] = np.array(tokens)[:, None, None]
+            pool[layer][page[start:], heads, row[start:]] = np.array(tokens)[:, None, None]
     cache.extend(tokens)
 
 
 def _rows(cache: KVCache) -> list[int]:
     """The K values a cache's positions hold (what its tokens wrote)."""
-    page, row = cache.positions(cache.n_past)
-    return [int(x) for x in cache.pool.k[1][page, row, 0, 0]]
+    return [int(x) for x in cache.pool.k[1][cache.positions(cache.n_past)][:, 0, 0]]
 
 
 def test_pages_follow_the_length_and_go_back():

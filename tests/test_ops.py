@@ -147,7 +147,8 @@ def _attention(q, k_cache, v_cache, start, window, softcap=0.0, sinks=None, spli
     out = np.full_like(q, np.nan)
     sinks = np.zeros(0, np.float32) if sinks is None else sinks
     ops.attention(
-        q, k_cache[None], v_cache[None], np.zeros((1, 1), np.int32), np.array([start]),
+        q, k_cache.transpose(1, 0, 2)[None], v_cache.transpose(1, 0, 2)[None],
+        np.zeros((1, 1), np.int32), np.array([start]),
         np.array([0, n_tokens]), window, np.float32(1 / math.sqrt(head_dim)),
         np.float32(softcap), sinks, f16, f16, split, scratch, out, causal,
     )  # fmt: skip
@@ -158,7 +159,7 @@ def _paged(caches, page_tokens, n_pages):
     """Pools of n_pages pages holding each contiguous cache (K or V) at shuffled pages, and the
     page tables: (k_pool, v_pool, tables)."""
     n_kv, head_dim = caches[0][0].shape[1:]
-    pools = [np.zeros((n_pages, page_tokens, n_kv, head_dim), caches[0][0].dtype) for _ in "kv"]
+    pools = [np.zeros((n_pages, n_kv, page_tokens, head_dim), caches[0][0].dtype) for _ in "kv"]
     width = max(-(-len(k) // page_tokens) for k, _ in caches)
     tables = np.zeros((len(caches), width), np.int32)
     free = list(rng.permutation(n_pages))
@@ -167,7 +168,7 @@ def _paged(caches, page_tokens, n_pages):
             tables[row, i] = page = free.pop()
             for pool, cache in zip(pools, pair, strict=True):
                 part = cache[i * page_tokens : (i + 1) * page_tokens]
-                pool[page, : len(part)] = part
+                pool[page, :, : len(part)] = part.transpose(1, 0, 2)
     return *pools, tables
 
 
@@ -365,10 +366,11 @@ def test_kv_writes_store_numpys_halves():
     k = values.astype(np.float32)
     k[0, 0, :8] = [0.0, -0.0, 65504.0, 65520.0, -1e6, 2.98e-8, 6.1e-5, np.inf]
     v = -k[::-1].copy()
-    pools = [np.zeros((3, page_tokens, n_kv, head_dim), np.uint16) for _ in "kv"]
+    pools = [np.zeros((3, n_kv, page_tokens, head_dim), np.uint16) for _ in "kv"]
     CPUBackend(1).write_kv(*pools, np.array([2, 0, 1], np.int32), 1, k, v)
     for pool, x in zip(pools, (k, v), strict=True):
-        rows = np.concatenate([pool[2], pool[0], pool[1]])[1:7]  # positions 1..6 in page order
+        rows = np.concatenate([pool[2], pool[0], pool[1]], axis=1)[:, 1:7]  # positions 1..6
+        rows = rows.transpose(1, 0, 2)  # [position, head, head_dim]
         np.testing.assert_array_equal(rows, x.astype(np.float16).view(np.uint16))
 
 

@@ -128,10 +128,12 @@ class CUDABackend:
         return n_ctx
 
     def write_kv(self, k_pool, v_pool, pages, start_pos: int, k, v) -> None:
-        """Store k, v (device float32[n_tokens, n_kv_heads, head_dim]) at start_pos.."""
-        for page, row, first, n in page_spans(pages, k_pool.shape[1], start_pos, k.shape[0]):
-            k_pool[page, row : row + n].copy_to_device(k[first : first + n])
-            v_pool[page, row : row + n].copy_to_device(v[first : first + n])
+        """Store k, v (device float32[n_tokens, n_kv_heads, head_dim]) at start_pos.. (pages
+        [n_kv_heads, page_tokens, head_dim])."""
+        for page, row, first, n in page_spans(pages, k_pool.shape[2], start_pos, k.shape[0]):
+            launch = _flat_launch(n * k.shape[1] * k.shape[2])
+            kernels.write_rows[launch](k_pool[page], k[first : first + n], row)
+            kernels.write_rows[launch](v_pool[page], v[first : first + n], row)
 
     # -- ops --------------------------------------------------------------------------------
 
@@ -213,8 +215,10 @@ class CUDABackend:
             raise ValueError("a CUDA KV cache is one page per sequence (kv_page_tokens)")
         for seq, page in enumerate(tables[:, 0]):
             r = slice(int(first_rows[seq]), int(first_rows[seq + 1]))
-            k, v = k_pool[int(page)], v_pool[int(page)]
-            self.attention(q[r], k, v, int(starts[seq]), window, scale, softcap, out[r], sinks)
+            k, v = k_pool[int(page)], v_pool[int(page)]  # [n_kv_heads, n_ctx, head_dim]
+            self._attention(
+                q[r], k, v, True, int(starts[seq]), window, scale, softcap, out[r], sinks, True
+            )
         return out
 
     def attention(
@@ -230,18 +234,28 @@ class CUDABackend:
         sinks=None,
         causal: bool = True,
     ):
-        """Causal (or, for an encoder, bidirectional) GQA attention; see kernels.attention."""
+        """Causal (or, for an encoder, bidirectional) GQA attention over k_cache, v_cache:
+        [n_keys, n_kv_heads, head_dim]; see kernels.attention."""
+        return self._attention(
+            q, k_cache, v_cache, False, start_pos, window, scale, softcap, out, sinks, causal
+        )
+
+    def _attention(
+        self, q, k_cache, v_cache, heads_first, start_pos, window, scale, softcap, out, sinks,
+        causal,
+    ):  # fmt: skip
         n_tokens, n_heads, _ = q.shape
         n_jobs, n_keys = n_tokens * n_heads, start_pos + n_tokens
         if self._scores is None or self._scores.shape[0] < n_jobs or self._scores.shape[1] < n_keys:
             # one allocation for the largest chunk and context seen so far
             old = (0, 0) if self._scores is None else self._scores.shape
-            shape = (max(n_jobs, old[0]), max(k_cache.shape[0], old[1]))
-            self._scores = cuda.device_array(shape, dtype=np.float32)
+            n_ctx = k_cache.shape[1 if heads_first else 0]
+            self._scores = cuda.device_array((max(n_jobs, old[0]), max(n_ctx, old[1])), np.float32)
         kernels.attention[(n_heads, n_tokens), self.threads, 0, 4 * self.threads](
             q,
             k_cache,
             v_cache,
+            bool(heads_first),
             start_pos,
             window,
             np.float32(scale),

@@ -752,12 +752,16 @@ def rope(x, cos, sin, neox):
 
 
 @cuda.jit(cache=True)
-def attention(q, k_cache, v_cache, start_pos, window, scale, softcap, sinks, scores, out, causal):
+def attention(
+    q, k_cache, v_cache, heads_first, start_pos, window, scale, softcap, sinks, scores, out, causal
+):
     """Causal attention with grouped K/V heads and an optional sliding window, softmax inside;
     not `causal`, each token attends to all start_pos + n_tokens keys (encoders).
 
     q, out: float32[n_tokens, n_heads, head_dim] for positions start_pos + t;
-    k_cache, v_cache: float32[n_ctx, n_kv_heads, head_dim], filled up to start_pos + n_tokens;
+    k_cache, v_cache: float32[n_kv_heads, n_ctx, head_dim] if heads_first (a KVPool's page),
+    else float32[n_ctx, n_kv_heads, head_dim] (an encoder's K and V), filled up to
+    start_pos + n_tokens;
     window > 0: key j is seen from position i only when i - j < window.
     softcap > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2).
     sinks: float32[n_heads] sink logits (gpt-oss), or float32[0]: one more softmax term each.
@@ -769,7 +773,7 @@ def attention(q, k_cache, v_cache, start_pos, window, scale, softcap, sinks, sco
     h, t = cuda.blockIdx.x, cuda.blockIdx.y
     tid, n_threads = cuda.threadIdx.x, cuda.blockDim.x
     n_heads, head_dim = q.shape[1], q.shape[2]
-    kv = h // (n_heads // k_cache.shape[1])
+    kv = h // (n_heads // k_cache.shape[0 if heads_first else 1])
     row = t * n_heads + h
     pos = start_pos + t if causal else start_pos + q.shape[0] - 1  # the last key seen
     first = 0
@@ -781,7 +785,7 @@ def attention(q, k_cache, v_cache, start_pos, window, scale, softcap, sinks, sco
     for j in range(first + tid, pos + 1, n_threads):
         s = np.float32(0.0)
         for d in range(head_dim):
-            s += q[t, h, d] * k_cache[j, kv, d]
+            s += q[t, h, d] * (k_cache[kv, j, d] if heads_first else k_cache[j, kv, d])
         s *= scale
         if softcap > 0:
             s = softcap * np.float32(math.tanh(s * (np.float32(1.0) / softcap)))
@@ -809,7 +813,7 @@ def attention(q, k_cache, v_cache, start_pos, window, scale, softcap, sinks, sco
     for d in range(tid, head_dim, n_threads):
         acc = np.float32(0.0)
         for j in range(first, pos + 1):
-            acc += scores[row, j] * v_cache[j, kv, d]
+            acc += scores[row, j] * (v_cache[kv, j, d] if heads_first else v_cache[j, kv, d])
         out[t, h, d] = acc * inv
 
 
@@ -841,6 +845,17 @@ def scale(x, factor):
     n = x.shape[1]
     if i < x.shape[0] * n:
         x[i // n, i % n] *= factor
+
+
+@cuda.jit(cache=True)
+def write_rows(page, x, row):
+    """page[h, row + t] = x[t, h]: K or V rows x: float32[n, n_kv_heads, head_dim] into a KVPool
+    page [n_kv_heads, page_tokens, head_dim] (one thread per element of x)."""
+    i = cuda.grid(1)
+    n_kv_heads, head_dim = x.shape[1], x.shape[2]
+    if i < x.shape[0] * n_kv_heads * head_dim:
+        t, h, d = i // (n_kv_heads * head_dim), i // head_dim % n_kv_heads, i % head_dim
+        page[h, row + t, d] = x[t, h, d]
 
 
 @cuda.jit(cache=True)
