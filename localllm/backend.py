@@ -439,7 +439,8 @@ class CPUBackend:
         per model, and again only when a call needs more slots (a longer context)."""
         n_rows, n_heads, head_dim = q_shape
         threads = numba.config.NUMBA_NUM_THREADS
-        split = ops.split_jobs(n_rows, n_kv_heads, numba.get_num_threads())
+        running = numba.get_num_threads()
+        split = running if ops.split_jobs(n_rows, n_kv_heads, running) else 0
         slots = ops.attention_slots(n_rows if split else 0, n_kv_heads, n_ctx, window, threads)
         key = (n_heads // n_kv_heads, head_dim)
         have = self._attention

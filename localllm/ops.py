@@ -818,8 +818,9 @@ def attention(
     softmax's max and sum that weights no value, as ggml_soft_max_ext with sinks computes it.
     round_q, f16_probs: q rounded to half before q.k, the probabilities before they weight V, as
     llama.cpp's K*Q and V*KQ products with its f16 KV cache round them.
-    split: each chunk of each row a job of its own (decode), else a job per row and K/V head
-    (prefill); the same result (see KV_CHUNK). A row's arithmetic does not depend on the other
+    split: the threads running (get_num_threads()) to deal each chunk of each row to as a job
+    of its own (decode), or 0: a job per row and K/V head (prefill); the same result (see
+    KV_CHUNK). A row's arithmetic does not depend on the other
     rows, sequences or pages: a sequence gets the same bits batched as alone.
     scratch: `attention_scratch(...)`, allocated once by the caller.
     out: float32[n_rows, n_heads, head_dim]
@@ -840,15 +841,20 @@ def attention(
     for t in range(n_rows):
         seq, pos = _row_key(t, seq, starts, first_rows, causal)
         n_jobs += _n_chunks(pos, window) * n_kv_heads
-    for job in prange(n_jobs):
-        t, seq, pos, c, kv, _ = _chunk_job(
-            np.int64(job), starts, first_rows, window, n_kv_heads, causal
-        )
-        thread = get_thread_id()
-        _chunk_scores(
-            q, t, kv, k_pool, tables[seq], pos, c, window, scale, softcap, sinks, round_q,
-            qh[thread], x[thread], s[job], stats[job],
-        )  # fmt: skip
+    # the jobs dealt to the threads in turn: a row's last chunk (often a few keys) is among
+    # its last jobs, which a split into halves gave one thread (2 K/V heads, 3 chunks, 2
+    # threads: 3 chunks' keys on one thread against 1 on the other)
+    n_workers = min(n_jobs, split)
+    for worker in prange(n_workers):
+        for job in range(worker, n_jobs, n_workers):
+            t, seq, pos, c, kv, _ = _chunk_job(
+                np.int64(job), starts, first_rows, window, n_kv_heads, causal
+            )
+            thread = get_thread_id()
+            _chunk_scores(
+                q, t, kv, k_pool, tables[seq], pos, c, window, scale, softcap, sinks, round_q,
+                qh[thread], x[thread], s[job], stats[job],
+            )  # fmt: skip
     slot, seq = 0, 0
     for t in range(n_rows):
         seq, pos = _row_key(t, seq, starts, first_rows, causal)
@@ -856,14 +862,15 @@ def attention(
         for kv in range(n_kv_heads):
             _row_norm(stats, slot + kv, n, n_kv_heads, sinks, kv * s.shape[1], norm[slot + kv])
         slot += n * n_kv_heads
-    for job in prange(n_jobs):
-        t, seq, pos, c, kv, first = _chunk_job(
-            np.int64(job), starts, first_rows, window, n_kv_heads, causal
-        )
-        _chunk_values(
-            kv, v_pool, tables[seq], pos, c, window, stats[job], norm[first], f16_probs, s[job],
-            x[get_thread_id()], acc[job],
-        )  # fmt: skip
+    for worker in prange(n_workers):
+        for job in range(worker, n_jobs, n_workers):
+            t, seq, pos, c, kv, first = _chunk_job(
+                np.int64(job), starts, first_rows, window, n_kv_heads, causal
+            )
+            _chunk_values(
+                kv, v_pool, tables[seq], pos, c, window, stats[job], norm[first], f16_probs,
+                s[job], x[get_thread_id()], acc[job],
+            )  # fmt: skip
     slot, seq = 0, 0
     for t in range(n_rows):
         seq, pos = _row_key(t, seq, starts, first_rows, causal)

@@ -150,7 +150,8 @@ def _attention(q, k_cache, v_cache, start, window, softcap=0.0, sinks=None, spli
         q, k_cache.transpose(1, 0, 2)[None], v_cache.transpose(1, 0, 2)[None],
         np.zeros((1, 1), np.int32), np.array([start]),
         np.array([0, n_tokens]), window, np.float32(1 / math.sqrt(head_dim)),
-        np.float32(softcap), sinks, f16, f16, split, scratch, out, causal,
+        np.float32(softcap), sinks, f16, f16, numba.get_num_threads() if split else 0, scratch,
+        out, causal,
     )  # fmt: skip
     return out
 
