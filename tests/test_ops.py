@@ -268,7 +268,9 @@ def test_attention_over_chunks_is_one_result(head_dim, window):
 
 
 def test_split_jobs_for_few_rows():
-    assert ops.split_jobs(1, 2, 2)  # decode: 2 K/V heads would be 2 jobs
+    assert ops.split_jobs(1, 2, 4)  # decode: 2 K/V heads would be 2 jobs for 4 threads
+    assert ops.split_jobs(1, 1, 2) and ops.split_jobs(1, 3, 2)
+    assert not ops.split_jobs(1, 2, 2)  # a job per thread
     assert not ops.split_jobs(512, 2, 2)  # prefill: a job per row and K/V head
     assert not ops.split_jobs(8, 8, 2)
 
