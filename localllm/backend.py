@@ -20,7 +20,7 @@ from localllm import ops, quants
 from localllm.errors import LocalLLMError
 from localllm.gguf import TensorInfo
 from localllm.kv_cache import PAGE_TOKENS, page_spans
-from localllm.quants import QuantType, intdot
+from localllm.quants import intdot
 from localllm.quants.activations import Q8_BLOCK_SIZE, round_activations
 from localllm.quants.cpu import HARDWARE_HALF
 from localllm.threads import ThreadTuner, physical_cores
@@ -307,7 +307,10 @@ class CPUBackend:
         pairs = list(zip(weights, outs, strict=True))
         if self.integer_kernels:
             integer = [(w, out) for w, out in pairs if w.qtype.int_matvec is not None]
-            self._integer_matmuls(x, integer)
+            if integer:
+                self._integer_matmuls(x, integer)
+            if len(integer) == len(pairs):
+                return tuple(outs)
             pairs = [(w, out) for w, out in pairs if w.qtype.int_matvec is None]
         rounded = {}
         for w, out in pairs:
@@ -327,35 +330,48 @@ class CPUBackend:
 
     def _integer_matmuls(self, x: np.ndarray, pairs) -> None:
         """out = x @ w.T for (w, out) pairs, x: float32[n_tokens, n_cols]: x quantized to int8
-        once per super-block size, one kernel call for all the weights of a type."""
-        by_type: dict[QuantType, tuple[list, list]] = {}
+        once per super-block size, one kernel call for all the weights of a type. (Lean: a
+        1.5B model's decode makes 113 of these calls a token, a few microseconds of Python
+        each.)"""
+        by_type: dict[int, tuple] = {}  # ggml_type -> (qt, raws, targets)
         for w, out in pairs:
             if not out.flags.c_contiguous:  # the kernels address rows by the row length
                 raise ValueError(f"the output for {w.name} must be C-contiguous")
-            raws, targets = by_type.setdefault(w.qtype, ([], []))
-            raws.append(w.raw)
-            targets.append(out)
+            group = by_type.get(w.qtype.ggml_type)
+            if group is None:
+                group = by_type[w.qtype.ggml_type] = (w.qtype, [], [])
+            group[1].append(w.raw)
+            group[2].append(out)
         quantized = {}
-        n_tokens, n_cols = x.shape
-        for qt, (raws, targets) in by_type.items():
+        n_tokens = x.shape[0]
+        for qt, raws, targets in by_type.values():
             super_block = Q8_BLOCK_SIZE[qt.vec_dot_type]
             xq = quantized.get(super_block)
             if xq is None:
-                key = (super_block, n_cols)
-                held = self._quantized.get(key)
-                if held is None or held[0].shape[0] < n_tokens:
-                    held = self._quantized[key] = intdot.activation_buffers(n_tokens, n_cols)
-                xq = tuple(a[:n_tokens] for a in held)
-                if n_tokens < 16:  # microseconds: not worth waking the threads (a batch's
-                    # decode rows; under load a parallel launch cost ~1 ms)
-                    intdot.quantize_q8(x, super_block, *xq)
-                else:
-                    intdot.quantize_q8_tokens(x, super_block, *xq)
-                quantized[super_block] = xq
+                xq = quantized[super_block] = self._activation_quants(x, super_block)
             kernel = qt.int_matvec
             if n_tokens >= TILE_MIN_TOKENS and qt.int_matmul is not None:
                 kernel = qt.int_matmul  # the same sums, with the tokens in the SIMD lanes
             kernel(tuple(raws), *xq, tuple(targets))
+
+    def _activation_quants(self, x: np.ndarray, super_block: int) -> tuple:
+        """x quantized for the integer kernels (intdot.quantize_q8), in buffers kept per
+        super-block size and width (and their first n_tokens rows' views, per n_tokens)."""
+        n_tokens, n_cols = x.shape
+        key = (super_block, n_cols)
+        held = self._quantized.get(key)
+        if held is None or held[0][0].shape[0] < n_tokens:
+            held = self._quantized[key] = (intdot.activation_buffers(n_tokens, n_cols), {})
+        buffers, views = held
+        xq = views.get(n_tokens)
+        if xq is None:
+            xq = views[n_tokens] = tuple(a[:n_tokens] for a in buffers)
+        if n_tokens < 16:  # microseconds: not worth waking the threads (a batch's decode rows;
+            # under load a parallel launch cost ~1 ms)
+            intdot.quantize_q8(x, super_block, *xq)
+        else:
+            intdot.quantize_q8_tokens(x, super_block, *xq)
+        return xq
 
     def embed(self, w: QuantWeight, token_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out = rows token_ids of the embedding matrix: float32[n_tokens, n_cols].
