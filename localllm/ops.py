@@ -488,6 +488,100 @@ def _block_scores(typingctx, qh, x, n, s, col, head_dim):
     return types.void(qh, x, n, s, col, head_dim), codegen
 
 
+# Query heads per K/V head that `_page_scores` takes, and the keys it runs together for each
+# (2 accumulators a key and head: at most 24 of the 32 zmm registers).
+_PAGE_SCORE_KEYS = {1: 8, 2: 4, 3: 4, 4: 2, 5: 2, 6: 2}
+_MOST_SCORE_GROUP = max(_PAGE_SCORE_KEYS)
+
+
+@intrinsic
+def _page_scores(typingctx, qh, s, col, page, j0, n, kv):
+    """s[g, col + i] = qh[g] . K row kv of position j0 + i of the page, for every query head g of
+    the group (1-6) and i < n rounded up to the keys it runs together (the last row read again
+    for those past n): _block_scores' sums, in its order (2 vectors of multiply-add chains a key
+    over the _STEP-dimension steps, reduced a0 + a1 + a2 + a3, then lanes 4 + 4, 2 + 2, 1 + 1),
+    with K read from the page itself, each vector converted once for all the group's heads.
+    page: [n_kv_heads, page_tokens, head_dim], its last dimension contiguous; head_dim a
+    multiple of _STEP."""
+    if not (
+        _is_matrix(qh) and _is_matrix(s) and isinstance(page, types.Array) and page.ndim == 3
+        and page.dtype in (types.uint16, types.float32)
+    ):  # fmt: skip
+        return None
+    half = page.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        mq, ms = (_Matrix(context, b, signature.args[i], args[i]) for i in (0, 1))
+        array = context.make_array(signature.args[3])(context, b, args[3])
+        head_stride, row_stride = (b.extract_value(array.strides, i) for i in (0, 1))
+        first, j0, n_keys, head = (
+            context.cast(b, args[i], signature.args[i], types.intp) for i in (2, 4, 5, 6)
+        )
+        element = ir.IntType(16) if half else _F32
+        base = b.gep(
+            b.bitcast(array.data, ir.IntType(8).as_pointer()),
+            [b.add(b.mul(head, head_stride), b.mul(j0, row_stride))],
+        )
+        source = ir.VectorType(element, LANES).as_pointer()
+        n_steps = b.udiv(mq.cols, _int(_STEP))
+        last = b.sub(n_keys, _int(1))
+        low = ir.Constant(ir.VectorType(_I32, LANES), [*range(8), *range(16, 24)])
+        high = ir.Constant(ir.VectorType(_I32, LANES), [*range(8, 16), *range(24, 32)])
+        switch = b.switch(mq.rows, b.function.append_basic_block("scores.none"))
+        done = b.function.append_basic_block("scores.done")
+        for group, keys in _PAGE_SCORE_KEYS.items():
+            case = b.function.append_basic_block(f"scores.{group}")
+            switch.add_case(ir.Constant(_I64, group), case)
+            b.position_at_end(case)
+            sums = [[[cgutils.alloca_once(b, _VF32) for _ in range(2)] for _ in range(keys)]
+                    for _ in range(group)]  # fmt: skip
+            n_groups = b.udiv(b.add(n_keys, _int(keys - 1)), _int(keys))
+            with cgutils.for_range(b, n_groups) as block:
+                i0 = b.mul(block.index, _int(keys))
+                rows = []
+                for k in range(keys):
+                    i = b.add(i0, _int(k))
+                    i = b.select(b.icmp_unsigned("<", i, n_keys), i, last)
+                    rows.append(
+                        b.bitcast(b.gep(base, [b.mul(i, row_stride)]), element.as_pointer())
+                    )
+                for per_head in sums:
+                    for key in per_head:
+                        for total in key:
+                            b.store(ir.Constant(_VF32, None), total)
+                with cgutils.for_range(b, n_steps) as step:
+                    for h in range(2):
+                        at = b.add(b.mul(step.index, _int(_STEP)), _int(h * LANES))
+                        qv = [mq.load_vector(_int(g), at) for g in range(group)]
+                        for k, row in enumerate(rows):
+                            xv = b.load(b.bitcast(b.gep(row, [at]), source), align=2)
+                            if half:
+                                xv = b.bitcast(xv, ir.VectorType(ir.HalfType(), LANES))
+                                xv = b.fpext(xv, _VF32)
+                            for g in range(group):
+                                total = sums[g][k][h]
+                                b.store(_fmadd(b, qv[g], xv, b.load(total)), total)
+                at = b.add(first, i0)
+                for g, per_head in enumerate(sums):
+                    pairs = []  # two keys' ((a0 + a1) + a2) + a3 each, 8 lanes
+                    for k in range(0, keys, 2):
+                        (z0, z1), (y0, y1) = ([b.load(v) for v in per_head[j]] for j in (k, k + 1))
+                        total = b.fadd(
+                            b.shuffle_vector(z0, y0, low), b.shuffle_vector(z0, y0, high)
+                        )
+                        total = b.fadd(total, b.shuffle_vector(z1, y1, low))
+                        pairs.append(b.fadd(total, b.shuffle_vector(z1, y1, high)))
+                    ms.store_vector(_halves_added(b, pairs, 2, 8), _int(g), at)
+            b.branch(done)
+        b.position_at_end(switch.default)
+        b.branch(done)
+        b.position_at_end(done)
+        return context.get_dummy_value()
+
+    return types.void(qh, s, col, page, j0, n, kv), codegen
+
+
 @intrinsic
 def _block_values(typingctx, acc, p, col, x, n):
     """acc[g] += p[g, col + i] * x[i] for every query head g, keys i = 0..n-1 in order.
@@ -528,6 +622,106 @@ def _block_values(typingctx, acc, p, col, x, n):
         return context.get_dummy_value()
 
     return types.void(acc, p, col, x, n), codegen
+
+
+# Query heads per K/V head that `_page_values` takes (accumulators in registers, its heads
+# unrolled), and the vectors of a head's output it keeps for each group size: at most 24
+# accumulators of the 32 zmm registers.
+_PAGE_VALUE_RUNS = {1: 8, 2: 8, 3: 8, 4: 4, 5: 4, 6: 4, 7: 2, 8: 2}
+_MOST_PAGE_GROUP = max(_PAGE_VALUE_RUNS)
+
+
+def _converts_in_registers(pool):
+    """Whether the IR kernels read the pool's elements as vectors: float32, or IEEE half bits
+    where the CPU converts them (HARDWARE_HALF)."""
+
+
+@overload(_converts_in_registers, inline="always")
+def _converts_in_registers_overload(pool):
+    vectors = pool.dtype == types.float32 or HARDWARE_HALF
+    return lambda pool: vectors
+
+
+@intrinsic
+def _page_values(typingctx, acc, p, col, page, j0, n, kv):
+    """acc[g] += p[g, col + i] * V row kv of position j0 + i of the page, for every query head g
+    of the group (1-8) and keys i = 0..n-1 in order: _block_values' arithmetic (one multiply-add
+    per lane and key, in key order), with V read from the page itself. Each run of a few vectors
+    of V (IEEE half bits converted by vcvtph2ps, or float32) is loaded once per key for all the
+    group's heads, whose accumulators stay in registers: where _block_values converts the rows
+    to a float32 block and reloads it for every head. page: [n_kv_heads, page_tokens,
+    head_dim], its last dimension contiguous, head_dim a multiple of LANES."""
+    if not (
+        _is_matrix(acc) and _is_matrix(p) and isinstance(page, types.Array) and page.ndim == 3
+        and page.dtype in (types.uint16, types.float32)
+    ):  # fmt: skip
+        return None
+    half = page.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        ma, mp = (_Matrix(context, b, signature.args[i], args[i]) for i in (0, 1))
+        array = context.make_array(signature.args[3])(context, b, args[3])
+        head_stride, row_stride = (b.extract_value(array.strides, i) for i in (0, 1))
+        first, j0, n_keys, head = (
+            context.cast(b, args[i], signature.args[i], types.intp) for i in (2, 4, 5, 6)
+        )
+        element = ir.IntType(16) if half else _F32
+        base = b.gep(
+            b.bitcast(array.data, ir.IntType(8).as_pointer()),
+            [b.add(b.mul(head, head_stride), b.mul(j0, row_stride))],
+        )
+        source = ir.VectorType(element, LANES).as_pointer()
+        n_vectors = b.udiv(ma.cols, _int(LANES))
+        broadcast = ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES)
+        emit = emit_runs(b, ma, mp, base, row_stride, source, element, first, n_keys, broadcast)
+        switch = b.switch(ma.rows, b.function.append_basic_block("values.none"))
+        done = b.function.append_basic_block("values.done")
+        for group, run in _PAGE_VALUE_RUNS.items():
+            case = b.function.append_basic_block(f"values.{group}")
+            switch.add_case(ir.Constant(_I64, group), case)
+            b.position_at_end(case)
+            n_runs = b.udiv(n_vectors, _int(run))
+            emit(group, run, n_runs, _int(0))  # then the vectors after the last run, singly
+            emit(group, 1, b.sub(n_vectors, b.mul(n_runs, _int(run))), b.mul(n_runs, _int(run)))
+            b.branch(done)
+        b.position_at_end(switch.default)
+        b.branch(done)
+        b.position_at_end(done)
+        return context.get_dummy_value()
+
+    def emit_runs(b, ma, mp, base, row_stride, source, element, first, n_keys, broadcast):
+        def emit(group, run, n_parts, start):
+            sums = [[cgutils.alloca_once(b, _VF32) for _ in range(run)] for _ in range(group)]
+            with cgutils.for_range(b, n_parts) as part:
+                vector = b.add(start, b.mul(part.index, _int(run)))
+                cols = [b.mul(b.add(vector, _int(k)), _int(LANES)) for k in range(run)]
+                for g, totals in enumerate(sums):
+                    for total, at in zip(totals, cols, strict=True):
+                        b.store(ma.load_vector(_int(g), at), total)
+                with cgutils.for_range(b, n_keys) as key:
+                    row = b.bitcast(
+                        b.gep(base, [b.mul(key.index, row_stride)]), element.as_pointer()
+                    )
+                    probabilities = []  # each head's p of this key, broadcast
+                    for g in range(group):
+                        pk = mp.load(_int(g), b.add(first, key.index))
+                        pv = b.insert_element(ir.Constant(_VF32, None), pk, ir.Constant(_I32, 0))
+                        probabilities.append(b.shuffle_vector(pv, pv, broadcast))
+                    for k, at in enumerate(cols):  # one vector of V live at a time
+                        value = b.load(b.bitcast(b.gep(row, [at]), source), align=2)
+                        if half:
+                            value = b.bitcast(value, ir.VectorType(ir.HalfType(), LANES))
+                            value = b.fpext(value, _VF32)
+                        for pv, totals in zip(probabilities, sums, strict=True):
+                            b.store(_fmadd(b, pv, value, b.load(totals[k])), totals[k])
+                for g, totals in enumerate(sums):
+                    for total, at in zip(totals, cols, strict=True):
+                        ma.store_vector(b.load(total), _int(g), at)
+
+        return emit
+
+    return types.void(acc, p, col, page, j0, n, kv), codegen
 
 
 @intrinsic
@@ -654,11 +848,19 @@ def _chunk_scores(
     for g in range(group):
         for d in range(head_dim):  # q in half where K is (llama.cpp's f16 K * Q product)
             qh[g, d] = round_f16(q[t, h0 + g, d]) if round_q else q[t, h0 + g, d]
+    p = k_pool.shape[2]
+    direct = (
+        _converts_in_registers(k_pool) and group <= _MOST_SCORE_GROUP and head_dim % _STEP == 0
+        and k_pool.strides[3] == k_pool.itemsize
+    )  # fmt: skip
     j0 = lo
     while j0 < hi:
-        n = _block_length(j0, hi, k_pool.shape[2])
-        _page_rows(k_pool, table, j0, n, kv, x)
-        _block_scores(qh, x, n, s, j0 - lo, head_dim)
+        n = _block_length(j0, hi, p)
+        if direct:
+            _page_scores(qh, s, j0 - lo, k_pool[table[j0 // p]], j0 % p, n, kv)
+        else:
+            _page_rows(k_pool, table, j0, n, kv, x)
+            _block_scores(qh, x, n, s, j0 - lo, head_dim)
         j0 += n
     inv_cap = np.float32(1.0 / softcap) if softcap > 0 else np.float32(0.0)
     for g in range(group):
@@ -716,11 +918,19 @@ def _chunk_values(kv, v_pool, table, pos, chunk, window, stats, norm, f16_probs,
             s[g, i] = round_f16(p) if f16_probs else p
         for d in range(width):
             acc[g, d] = 0.0
+    p = v_pool.shape[2]
+    direct = (
+        _converts_in_registers(v_pool) and group <= _MOST_PAGE_GROUP and width % LANES == 0
+        and v_pool.strides[3] == v_pool.itemsize
+    )  # fmt: skip
     j0 = lo
     while j0 < hi:
-        n = _block_length(j0, hi, v_pool.shape[2])
-        _page_rows(v_pool, table, j0, n, kv, x)
-        _block_values(acc, s, j0 - lo, x, n)
+        n = _block_length(j0, hi, p)
+        if direct:
+            _page_values(acc, s, j0 - lo, v_pool[table[j0 // p]], j0 % p, n, kv)
+        else:
+            _page_rows(v_pool, table, j0, n, kv, x)
+            _block_values(acc, s, j0 - lo, x, n)
         j0 += n
 
 

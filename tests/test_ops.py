@@ -267,6 +267,46 @@ def test_attention_over_chunks_is_one_result(head_dim, window):
     assert np.array_equal(rest, alone[2:])
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 6, 7, 9])
+@pytest.mark.parametrize("half_bits", [True, False], ids=["f16-cache", "f32-cache"])
+def test_attention_reading_the_pages_in_registers_keeps_the_bits(group, head_dim, half_bits):
+    """Pages whose rows are contiguous go through _page_scores / _page_values (K and V converted
+    in registers for all the group's heads, up to 6 and 8 heads), others through the float32
+    block and _block_scores / _block_values: the same bits, partial blocks and groups past those
+    kernels' included."""
+    if half_bits and not HARDWARE_HALF:
+        pytest.skip("the CPU converts to half in software: the block path only")
+    n_kv, page_tokens, start, n = 2, 32, 3 * 32 + 11, 3
+    n_pages = (start + n) // page_tokens + 2
+    shape = (n_pages, n_kv, page_tokens, head_dim)
+    pools = [rng.standard_normal(shape).astype(np.float32) for _ in "kv"]
+    if half_bits:
+        pools = [pool.astype(np.float16).view(np.uint16) for pool in pools]
+    # the same values with a stride between a row's elements: the block path
+    strided = []
+    for pool in pools:
+        wide = np.zeros((*shape[:3], 2 * head_dim), pool.dtype)
+        wide[..., ::2] = pool
+        strided.append(wide[..., ::2])
+    q = rng.standard_normal((n, n_kv * group, head_dim)).astype(np.float32)
+    tables = rng.permutation(n_pages).astype(np.int32)[None]
+    scratch = _scratch(n, n_kv * group, n_kv, head_dim, n_pages * page_tokens, 0)
+    outs = []
+    for k_pool, v_pool in (pools, strided):
+        for split in (0, numba.get_num_threads()):
+            out = np.full_like(q, np.nan)
+            ops.attention(
+                q, k_pool, v_pool, tables, np.array([start]), np.array([0, n]), 0,
+                np.float32(1 / math.sqrt(head_dim)), np.float32(0.0), np.zeros(0, np.float32),
+                half_bits, half_bits, split, scratch, out, True,
+            )  # fmt: skip
+            outs.append(out)
+    assert not np.isnan(outs[0]).any()
+    for out in outs[1:]:
+        assert np.array_equal(out.view(np.uint32), outs[0].view(np.uint32))
+
+
 def test_split_jobs_for_few_rows():
     assert ops.split_jobs(1, 2, 4)  # decode: 2 K/V heads would be 2 jobs for 4 threads
     assert ops.split_jobs(1, 1, 2) and ops.split_jobs(1, 3, 2)
