@@ -488,6 +488,70 @@ def _block_scores(typingctx, qh, x, n, s, col, head_dim):
     return types.void(qh, x, n, s, col, head_dim), codegen
 
 
+def _is_page(t) -> bool:
+    """One layer's KV page, [n_kv_heads, page_tokens, head_dim], of half bits or float32."""
+    return isinstance(t, types.Array) and t.ndim == 3 and t.dtype in (types.uint16, types.float32)
+
+
+class _Page:
+    """A K/V head's rows of a page in IR, from position j0 on: rows by strides (the last
+    dimension contiguous), LANES-element vectors of a row as float32 (half bits converted by
+    vcvtph2ps)."""
+
+    def __init__(self, context, builder, array_type, value, head, j0):
+        self.b = builder
+        array = context.make_array(array_type)(context, builder, value)
+        head_stride, self.row_stride = (builder.extract_value(array.strides, i) for i in (0, 1))
+        self.width = builder.extract_value(array.shape, 2)  # head_dim
+        self.half = array_type.dtype == types.uint16
+        self.element = ir.IntType(16) if self.half else _F32
+        self.base = builder.gep(
+            builder.bitcast(array.data, ir.IntType(8).as_pointer()),
+            [builder.add(builder.mul(head, head_stride), builder.mul(j0, self.row_stride))],
+        )
+
+    def row(self, i):
+        """A pointer to row j0 + i."""
+        at = self.b.gep(self.base, [self.b.mul(i, self.row_stride)])
+        return self.b.bitcast(at, self.element.as_pointer())
+
+    def vector(self, row, at):
+        """Elements at..at + LANES - 1 of a row as <LANES x float>."""
+        b = self.b
+        source = ir.VectorType(self.element, LANES).as_pointer()
+        value = b.load(b.bitcast(b.gep(row, [at]), source), align=2)
+        if self.half:
+            value = b.fpext(b.bitcast(value, ir.VectorType(ir.HalfType(), LANES)), _VF32)
+        return value
+
+
+def _page_kernel_args(context, builder, signature, args):
+    """(the two matrices, col, n, the page's rows of head kv from j0) of an intrinsic's
+    arguments (matrix, matrix, col, page, j0, n, kv)."""
+    m0, m1 = (_Matrix(context, builder, signature.args[i], args[i]) for i in (0, 1))
+    first, j0, n_keys, head = (
+        context.cast(builder, args[i], signature.args[i], types.intp) for i in (2, 4, 5, 6)
+    )
+    return m0, m1, first, n_keys, _Page(context, builder, signature.args[3], args[3], head, j0)
+
+
+def _by_group(builder, n_heads, groups, emit):
+    """emit(group) under a switch on n_heads (an i64) for each group size in `groups` (a
+    kernel unrolled over the group's heads); other sizes do nothing."""
+    b = builder
+    switch = b.switch(n_heads, b.function.append_basic_block("group.other"))
+    done = b.function.append_basic_block("group.done")
+    for group in groups:
+        case = b.function.append_basic_block(f"group.{group}")
+        switch.add_case(ir.Constant(_I64, group), case)
+        b.position_at_end(case)
+        emit(group)
+        b.branch(done)
+    b.position_at_end(switch.default)
+    b.branch(done)
+    b.position_at_end(done)
+
+
 # Query heads per K/V head that `_page_scores` takes, and the keys it runs together for each
 # (2 accumulators a key and head: at most 24 of the 32 zmm registers).
 _PAGE_SCORE_KEYS = {1: 8, 2: 4, 3: 4, 4: 2, 5: 2, 6: 2}
@@ -503,49 +567,28 @@ def _page_scores(typingctx, qh, s, col, page, j0, n, kv):
     with K read from the page itself, each vector converted once for all the group's heads.
     page: [n_kv_heads, page_tokens, head_dim], its last dimension contiguous; head_dim a
     multiple of _STEP."""
-    if not (
-        _is_matrix(qh) and _is_matrix(s) and isinstance(page, types.Array) and page.ndim == 3
-        and page.dtype in (types.uint16, types.float32)
-    ):  # fmt: skip
+    if not (_is_matrix(qh) and _is_matrix(s) and _is_page(page)):
         return None
-    half = page.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
         b = builder
-        mq, ms = (_Matrix(context, b, signature.args[i], args[i]) for i in (0, 1))
-        array = context.make_array(signature.args[3])(context, b, args[3])
-        head_stride, row_stride = (b.extract_value(array.strides, i) for i in (0, 1))
-        first, j0, n_keys, head = (
-            context.cast(b, args[i], signature.args[i], types.intp) for i in (2, 4, 5, 6)
-        )
-        element = ir.IntType(16) if half else _F32
-        base = b.gep(
-            b.bitcast(array.data, ir.IntType(8).as_pointer()),
-            [b.add(b.mul(head, head_stride), b.mul(j0, row_stride))],
-        )
-        source = ir.VectorType(element, LANES).as_pointer()
+        mq, ms, first, n_keys, rows = _page_kernel_args(context, b, signature, args)
         n_steps = b.udiv(mq.cols, _int(_STEP))
         last = b.sub(n_keys, _int(1))
         low = ir.Constant(ir.VectorType(_I32, LANES), [*range(8), *range(16, 24)])
         high = ir.Constant(ir.VectorType(_I32, LANES), [*range(8, 16), *range(24, 32)])
-        switch = b.switch(mq.rows, b.function.append_basic_block("scores.none"))
-        done = b.function.append_basic_block("scores.done")
-        for group, keys in _PAGE_SCORE_KEYS.items():
-            case = b.function.append_basic_block(f"scores.{group}")
-            switch.add_case(ir.Constant(_I64, group), case)
-            b.position_at_end(case)
+
+        def emit(group):
+            keys = _PAGE_SCORE_KEYS[group]
             sums = [[[cgutils.alloca_once(b, _VF32) for _ in range(2)] for _ in range(keys)]
                     for _ in range(group)]  # fmt: skip
             n_groups = b.udiv(b.add(n_keys, _int(keys - 1)), _int(keys))
             with cgutils.for_range(b, n_groups) as block:
                 i0 = b.mul(block.index, _int(keys))
-                rows = []
+                row = []
                 for k in range(keys):
                     i = b.add(i0, _int(k))
-                    i = b.select(b.icmp_unsigned("<", i, n_keys), i, last)
-                    rows.append(
-                        b.bitcast(b.gep(base, [b.mul(i, row_stride)]), element.as_pointer())
-                    )
+                    row.append(rows.row(b.select(b.icmp_unsigned("<", i, n_keys), i, last)))
                 for per_head in sums:
                     for key in per_head:
                         for total in key:
@@ -554,11 +597,8 @@ def _page_scores(typingctx, qh, s, col, page, j0, n, kv):
                     for h in range(2):
                         at = b.add(b.mul(step.index, _int(_STEP)), _int(h * LANES))
                         qv = [mq.load_vector(_int(g), at) for g in range(group)]
-                        for k, row in enumerate(rows):
-                            xv = b.load(b.bitcast(b.gep(row, [at]), source), align=2)
-                            if half:
-                                xv = b.bitcast(xv, ir.VectorType(ir.HalfType(), LANES))
-                                xv = b.fpext(xv, _VF32)
+                        for k in range(keys):
+                            xv = rows.vector(row[k], at)
                             for g in range(group):
                                 total = sums[g][k][h]
                                 b.store(_fmadd(b, qv[g], xv, b.load(total)), total)
@@ -573,10 +613,8 @@ def _page_scores(typingctx, qh, s, col, page, j0, n, kv):
                         total = b.fadd(total, b.shuffle_vector(z1, y1, low))
                         pairs.append(b.fadd(total, b.shuffle_vector(z1, y1, high)))
                     ms.store_vector(_halves_added(b, pairs, 2, 8), _int(g), at)
-            b.branch(done)
-        b.position_at_end(switch.default)
-        b.branch(done)
-        b.position_at_end(done)
+
+        _by_group(b, mq.rows, _PAGE_SCORE_KEYS, emit)
         return context.get_dummy_value()
 
     return types.void(qh, s, col, page, j0, n, kv), codegen
@@ -651,47 +689,17 @@ def _page_values(typingctx, acc, p, col, page, j0, n, kv):
     group's heads, whose accumulators stay in registers: where _block_values converts the rows
     to a float32 block and reloads it for every head. page: [n_kv_heads, page_tokens,
     head_dim], its last dimension contiguous, head_dim a multiple of LANES."""
-    if not (
-        _is_matrix(acc) and _is_matrix(p) and isinstance(page, types.Array) and page.ndim == 3
-        and page.dtype in (types.uint16, types.float32)
-    ):  # fmt: skip
+    if not (_is_matrix(acc) and _is_matrix(p) and _is_page(page)):
         return None
-    half = page.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
         b = builder
-        ma, mp = (_Matrix(context, b, signature.args[i], args[i]) for i in (0, 1))
-        array = context.make_array(signature.args[3])(context, b, args[3])
-        head_stride, row_stride = (b.extract_value(array.strides, i) for i in (0, 1))
-        first, j0, n_keys, head = (
-            context.cast(b, args[i], signature.args[i], types.intp) for i in (2, 4, 5, 6)
-        )
-        element = ir.IntType(16) if half else _F32
-        base = b.gep(
-            b.bitcast(array.data, ir.IntType(8).as_pointer()),
-            [b.add(b.mul(head, head_stride), b.mul(j0, row_stride))],
-        )
-        source = ir.VectorType(element, LANES).as_pointer()
+        ma, mp, first, n_keys, rows = _page_kernel_args(context, b, signature, args)
         n_vectors = b.udiv(ma.cols, _int(LANES))
         broadcast = ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES)
-        emit = emit_runs(b, ma, mp, base, row_stride, source, element, first, n_keys, broadcast)
-        switch = b.switch(ma.rows, b.function.append_basic_block("values.none"))
-        done = b.function.append_basic_block("values.done")
-        for group, run in _PAGE_VALUE_RUNS.items():
-            case = b.function.append_basic_block(f"values.{group}")
-            switch.add_case(ir.Constant(_I64, group), case)
-            b.position_at_end(case)
-            n_runs = b.udiv(n_vectors, _int(run))
-            emit(group, run, n_runs, _int(0))  # then the vectors after the last run, singly
-            emit(group, 1, b.sub(n_vectors, b.mul(n_runs, _int(run))), b.mul(n_runs, _int(run)))
-            b.branch(done)
-        b.position_at_end(switch.default)
-        b.branch(done)
-        b.position_at_end(done)
-        return context.get_dummy_value()
 
-    def emit_runs(b, ma, mp, base, row_stride, source, element, first, n_keys, broadcast):
-        def emit(group, run, n_parts, start):
+        def runs(group, run, n_parts, start):
+            """n_parts runs of `run` vectors of every head's acc from vector `start` on."""
             sums = [[cgutils.alloca_once(b, _VF32) for _ in range(run)] for _ in range(group)]
             with cgutils.for_range(b, n_parts) as part:
                 vector = b.add(start, b.mul(part.index, _int(run)))
@@ -700,26 +708,28 @@ def _page_values(typingctx, acc, p, col, page, j0, n, kv):
                     for total, at in zip(totals, cols, strict=True):
                         b.store(ma.load_vector(_int(g), at), total)
                 with cgutils.for_range(b, n_keys) as key:
-                    row = b.bitcast(
-                        b.gep(base, [b.mul(key.index, row_stride)]), element.as_pointer()
-                    )
+                    row = rows.row(key.index)
                     probabilities = []  # each head's p of this key, broadcast
                     for g in range(group):
                         pk = mp.load(_int(g), b.add(first, key.index))
                         pv = b.insert_element(ir.Constant(_VF32, None), pk, ir.Constant(_I32, 0))
                         probabilities.append(b.shuffle_vector(pv, pv, broadcast))
                     for k, at in enumerate(cols):  # one vector of V live at a time
-                        value = b.load(b.bitcast(b.gep(row, [at]), source), align=2)
-                        if half:
-                            value = b.bitcast(value, ir.VectorType(ir.HalfType(), LANES))
-                            value = b.fpext(value, _VF32)
+                        value = rows.vector(row, at)
                         for pv, totals in zip(probabilities, sums, strict=True):
                             b.store(_fmadd(b, pv, value, b.load(totals[k])), totals[k])
                 for g, totals in enumerate(sums):
                     for total, at in zip(totals, cols, strict=True):
                         ma.store_vector(b.load(total), _int(g), at)
 
-        return emit
+        def emit(group):
+            run = _PAGE_VALUE_RUNS[group]
+            n_runs = b.udiv(n_vectors, _int(run))
+            runs(group, run, n_runs, _int(0))  # then the vectors after the last run, singly
+            runs(group, 1, b.sub(n_vectors, b.mul(n_runs, _int(run))), b.mul(n_runs, _int(run)))
+
+        _by_group(b, ma.rows, _PAGE_VALUE_RUNS, emit)
+        return context.get_dummy_value()
 
     return types.void(acc, p, col, page, j0, n, kv), codegen
 
@@ -729,36 +739,21 @@ def _rows_to_f32(typingctx, cache, j0, n, kv, x):
     """x[i, :head_dim] = cache[kv, j0 + i] for i < n, LANES elements per load: a page
     [n_kv_heads, page_tokens, head_dim] of IEEE half bits (converted, vcvtph2ps) or of float32,
     its last dimension contiguous (any strides else) and head_dim a multiple of LANES."""
-    if not (
-        isinstance(cache, types.Array) and cache.ndim == 3
-        and cache.dtype in (types.uint16, types.float32) and _is_matrix(x)
-    ):  # fmt: skip
+    if not (_is_page(cache) and _is_matrix(x)):
         return None
-    half = cache.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
         b = builder
-        array = context.make_array(signature.args[0])(context, b, args[0])
-        head_dim = b.extract_value(array.shape, 2)
-        head_stride, row_stride = (b.extract_value(array.strides, i) for i in (0, 1))
         first, count, head = (
             context.cast(b, args[i], signature.args[i], types.intp) for i in (1, 2, 3)
         )
+        rows = _Page(context, b, signature.args[0], args[0], head, first)
         mx = _Matrix(context, b, signature.args[4], args[4])
-        element = ir.IntType(16) if half else _F32
-        base = b.gep(
-            b.bitcast(array.data, ir.IntType(8).as_pointer()),
-            [b.add(b.mul(head, head_stride), b.mul(first, row_stride))],
-        )
-        source = ir.VectorType(element, LANES).as_pointer()
         with cgutils.for_range(b, count) as row:
-            data = b.bitcast(b.gep(base, [b.mul(row.index, row_stride)]), element.as_pointer())
-            with cgutils.for_range(b, b.udiv(head_dim, _int(LANES))) as vector:
+            start = rows.row(row.index)
+            with cgutils.for_range(b, b.udiv(rows.width, _int(LANES))) as vector:
                 at = b.mul(vector.index, _int(LANES))
-                value = b.load(b.bitcast(b.gep(data, [at]), source), align=2)
-                if half:
-                    value = b.fpext(b.bitcast(value, ir.VectorType(ir.HalfType(), LANES)), _VF32)
-                mx.store_vector(value, row.index, at)
+                mx.store_vector(rows.vector(start, at), row.index, at)
         return context.get_dummy_value()
 
     return types.void(cache, j0, n, kv, x), codegen
