@@ -327,6 +327,24 @@ def test_cuda_zeros_and_write_kv():
     np.testing.assert_array_equal(b.to_host(v_pool), -expected)
 
 
+@needs_cuda
+def test_cuda_pool_copies_a_pages_first_rows():
+    """KVPool.copy on device pages (a sequence writing into a cached page writes into a copy):
+    the first rows of every head, the rest left zero."""
+    from localllm.kv_cache import KVPool
+
+    b = backend()
+    pool = KVPool(1, 2, 4, 6, capacity=4, zeros=b.kv_zeros)
+    page = pool.allocate()
+    k = np.arange(48, dtype=np.float32).reshape(6, 2, 4)
+    b.write_kv(pool.k[0], pool.v[0], np.array([page], np.int32), 0, to_device(k), to_device(-k))
+    new = pool.copy(page, 4)
+    expected = np.zeros((2, 6, 4), np.float32)
+    expected[:, :4] = k[:4].transpose(1, 0, 2)
+    np.testing.assert_array_equal(b.to_host(pool.k[0])[new], expected)
+    np.testing.assert_array_equal(b.to_host(pool.v[0])[new], -expected)
+
+
 # ---- a whole tiny model, CUDA vs CPU ----
 
 DIM, N_HEADS, N_KV_HEADS, FFN, VOCAB = 32, 4, 2, 256, 64
