@@ -7,7 +7,6 @@ map and dequantizes blocks on the fly inside Numba kernels.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ import numpy as np
 
 from localllm import ops, quants
 from localllm.errors import LocalLLMError
-from localllm.gguf import TensorInfo
+from localllm.gguf import TensorInfo, ask_for_huge_pages
 from localllm.kv_cache import PAGE_TOKENS, page_spans
 from localllm.quants import intdot
 from localllm.quants.activations import Q8_BLOCK_SIZE, round_activations
@@ -517,8 +516,7 @@ def huge_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
     n_bytes = max(int(np.prod(shape)) * np.dtype(dtype).itemsize, 1)
     # private: a shared anonymous map is shmem, which follows shmem_enabled (often never)
     mapping = mmap.mmap(-1, n_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):  # a kernel without transparent huge pages
-        mapping.madvise(mmap.MADV_HUGEPAGE)
+    ask_for_huge_pages(mapping)
     return np.frombuffer(mapping, dtype, count=int(np.prod(shape))).reshape(shape)
 
 

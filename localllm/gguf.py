@@ -260,13 +260,13 @@ def read_header_bytes(head: bytes, file_size: int, name: str) -> GGUFHeader | No
     return GGUFHeader(metadata, {name: ggml_type for name, ggml_type, _shape, _off in infos})
 
 
-def _ask_for_huge_pages(mapping: mmap.mmap) -> None:
-    """madvise(MADV_HUGEPAGE) on the map (Linux; elsewhere, or refused, nothing). What the kernel
-    reads of the file for this map it then holds in 2 MiB folios, mapped with one TLB entry each
-    by this process and every later one (the next run, llama.cpp): a plain read of a model's
-    weights 27-29 -> 35 GB/s on this project's VMs (ext4, Linux 6.18), near an anonymous
-    buffer's 36-37. Pages already cached in 4 KiB folios stay so (MADV_COLLAPSE is refused
-    there)."""
+def ask_for_huge_pages(mapping: mmap.mmap) -> None:
+    """madvise(MADV_HUGEPAGE) on a map (Linux; elsewhere, or refused, nothing): a model file's,
+    or the KV cache's anonymous one (backend.huge_zeros). What the kernel reads of a file for its
+    map it then holds in 2 MiB folios, mapped with one TLB entry each by this process and every
+    later one (the next run, llama.cpp): a plain read of a model's weights 27-29 -> 35 GB/s on
+    this project's VMs (ext4, Linux 6.18), near an anonymous buffer's 36-37. Pages already
+    cached in 4 KiB folios stay so (MADV_COLLAPSE is refused there)."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:
         with contextlib.suppress(OSError):  # a kernel without transparent huge pages
@@ -288,7 +288,7 @@ def _map(path: Path) -> tuple[mmap.mmap, int]:
                     f"{path}: only {file_size} bytes, too short for a GGUF header; {_REDOWNLOAD}"
                 )
             mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            _ask_for_huge_pages(mapping)
+            ask_for_huge_pages(mapping)
             return mapping, file_size
     except OSError as e:
         raise LocalLLMError(f"cannot read model file {path}: {e.strerror or e}") from e
