@@ -669,17 +669,6 @@ _PAGE_VALUE_RUNS = {1: 8, 2: 8, 3: 8, 4: 4, 5: 4, 6: 4, 7: 2, 8: 2}
 _MOST_PAGE_GROUP = max(_PAGE_VALUE_RUNS)
 
 
-def _converts_in_registers(pool):
-    """Whether the IR kernels read the pool's elements as vectors: float32, or IEEE half bits
-    where the CPU converts them (HARDWARE_HALF)."""
-
-
-@overload(_converts_in_registers, inline="always")
-def _converts_in_registers_overload(pool):
-    vectors = pool.dtype == types.float32 or HARDWARE_HALF
-    return lambda pool: vectors
-
-
 @intrinsic
 def _page_values(typingctx, acc, p, col, page, j0, n, kv):
     """acc[g] += p[g, col + i] * V row kv of position j0 + i of the page, for every query head g
@@ -774,6 +763,28 @@ def _kv_value(x):
     return None
 
 
+def _converts_in_registers(dtype) -> bool:
+    """Whether the IR kernels load K/V elements of this Numba dtype as vectors: float32, or IEEE
+    half bits where the CPU converts them (HARDWARE_HALF)."""
+    return dtype == types.float32 or HARDWARE_HALF
+
+
+def vector_rows(kv, multiple):
+    """Whether the IR kernels can read K/V rows of `kv` (pages, or a pool of them) as vectors:
+    an element type they convert in registers, each row contiguous and its length a multiple of
+    `multiple`."""
+
+
+@overload(vector_rows, inline="always")
+def _vector_rows(kv, multiple):
+    if not _converts_in_registers(kv.dtype):
+        return lambda kv, multiple: False
+    last = kv.ndim - 1
+    return lambda kv, multiple: (
+        kv.shape[last] % multiple == 0 and kv.strides[last] == kv.itemsize
+    )  # fmt: skip
+
+
 def convert_rows(cache, j0, n, kv, x):
     """x[i, :head_dim] = K/V head kv of positions j0 + i of a page (cache: [n_kv_heads,
     page_tokens, head_dim]) as float32, for i < n."""
@@ -788,11 +799,11 @@ def _convert_elements(cache, j0, n, kv, x):
 
 @overload(convert_rows, inline="always")
 def _convert_rows(cache, j0, n, kv, x):
-    if not (cache.dtype == types.float32 or HARDWARE_HALF):
+    if not _converts_in_registers(cache.dtype):  # _rows_to_f32 not compiled in
         return lambda cache, j0, n, kv, x: _convert_elements(cache, j0, n, kv, x)
 
     def rows(cache, j0, n, kv, x):
-        if cache.shape[2] % LANES == 0 and cache.strides[2] == cache.itemsize:
+        if vector_rows(cache, LANES):
             _rows_to_f32(cache, j0, n, kv, x)
         else:
             _convert_elements(cache, j0, n, kv, x)
@@ -828,6 +839,62 @@ def _page_rows(pool, table, j0, n, kv, x):
     convert_rows(pool[table[j0 // p]], j0 % p, n, kv, x)
 
 
+def block_scores(qh, s, col, pool, table, j0, n, kv, x, head_dim):
+    """s[g, col + i] = qh[g] . K row kv of position j0 + i (one page's, through the page table)
+    for i < n: read in registers (_page_scores) where the rows and the group allow, else
+    converted to the float32 block x (_block_scores). The same bits either way."""
+
+
+@njit(cache=True, inline="always")
+def _scores_by_block(qh, s, col, pool, table, j0, n, kv, x, head_dim):
+    _page_rows(pool, table, j0, n, kv, x)
+    _block_scores(qh, x, n, s, col, head_dim)
+
+
+@overload(block_scores, inline="always")
+def _block_scores_either(qh, s, col, pool, table, j0, n, kv, x, head_dim):
+    def by_block(qh, s, col, pool, table, j0, n, kv, x, head_dim):
+        _scores_by_block(qh, s, col, pool, table, j0, n, kv, x, head_dim)
+
+    def either(qh, s, col, pool, table, j0, n, kv, x, head_dim):
+        if qh.shape[0] <= _MOST_SCORE_GROUP and vector_rows(pool, _STEP):
+            p = pool.shape[2]
+            _page_scores(qh, s, col, pool[table[j0 // p]], j0 % p, n, kv)
+        else:
+            _scores_by_block(qh, s, col, pool, table, j0, n, kv, x, head_dim)
+
+    # without the CPU's conversion, _page_scores is not compiled in
+    return either if _converts_in_registers(pool.dtype) else by_block
+
+
+def block_values(acc, p, col, pool, table, j0, n, kv, x):
+    """acc[g] += p[g, col + i] * V row kv of position j0 + i (one page's) for i < n, in key
+    order: read in registers (_page_values) where the rows and the group allow, else converted
+    to the float32 block x (_block_values). The same bits either way."""
+
+
+@njit(cache=True, inline="always")
+def _values_by_block(acc, p, col, pool, table, j0, n, kv, x):
+    _page_rows(pool, table, j0, n, kv, x)
+    _block_values(acc, p, col, x, n)
+
+
+@overload(block_values, inline="always")
+def _block_values_either(acc, p, col, pool, table, j0, n, kv, x):
+    def by_block(acc, p, col, pool, table, j0, n, kv, x):
+        _values_by_block(acc, p, col, pool, table, j0, n, kv, x)
+
+    def either(acc, p, col, pool, table, j0, n, kv, x):
+        if acc.shape[0] <= _MOST_PAGE_GROUP and vector_rows(pool, LANES):
+            page_tokens = pool.shape[2]
+            _page_values(acc, p, col, pool[table[j0 // page_tokens]], j0 % page_tokens, n, kv)
+        else:
+            _values_by_block(acc, p, col, pool, table, j0, n, kv, x)
+
+    # without the CPU's conversion, _page_values is not compiled in
+    return either if _converts_in_registers(pool.dtype) else by_block
+
+
 @njit(cache=True, inline="always")
 def _chunk_scores(
     q, t, kv, k_pool, table, pos, chunk, window, scale, softcap, sinks, round_q, qh, x, s, stats,
@@ -843,19 +910,10 @@ def _chunk_scores(
     for g in range(group):
         for d in range(head_dim):  # q in half where K is (llama.cpp's f16 K * Q product)
             qh[g, d] = round_f16(q[t, h0 + g, d]) if round_q else q[t, h0 + g, d]
-    p = k_pool.shape[2]
-    direct = (
-        _converts_in_registers(k_pool) and group <= _MOST_SCORE_GROUP and head_dim % _STEP == 0
-        and k_pool.strides[3] == k_pool.itemsize
-    )  # fmt: skip
     j0 = lo
     while j0 < hi:
-        n = _block_length(j0, hi, p)
-        if direct:
-            _page_scores(qh, s, j0 - lo, k_pool[table[j0 // p]], j0 % p, n, kv)
-        else:
-            _page_rows(k_pool, table, j0, n, kv, x)
-            _block_scores(qh, x, n, s, j0 - lo, head_dim)
+        n = _block_length(j0, hi, k_pool.shape[2])
+        block_scores(qh, s, j0 - lo, k_pool, table, j0, n, kv, x, head_dim)
         j0 += n
     inv_cap = np.float32(1.0 / softcap) if softcap > 0 else np.float32(0.0)
     for g in range(group):
@@ -913,19 +971,10 @@ def _chunk_values(kv, v_pool, table, pos, chunk, window, stats, norm, f16_probs,
             s[g, i] = round_f16(p) if f16_probs else p
         for d in range(width):
             acc[g, d] = 0.0
-    p = v_pool.shape[2]
-    direct = (
-        _converts_in_registers(v_pool) and group <= _MOST_PAGE_GROUP and width % LANES == 0
-        and v_pool.strides[3] == v_pool.itemsize
-    )  # fmt: skip
     j0 = lo
     while j0 < hi:
-        n = _block_length(j0, hi, p)
-        if direct:
-            _page_values(acc, s, j0 - lo, v_pool[table[j0 // p]], j0 % p, n, kv)
-        else:
-            _page_rows(v_pool, table, j0, n, kv, x)
-            _block_values(acc, s, j0 - lo, x, n)
+        n = _block_length(j0, hi, v_pool.shape[2])
+        block_values(acc, s, j0 - lo, v_pool, table, j0, n, kv, x)
         j0 += n
 
 
@@ -1025,8 +1074,8 @@ def attention(
     llama.cpp's K*Q and V*KQ products with its f16 KV cache round them.
     split: the threads running (get_num_threads()) to deal each chunk of each row to as a job
     of its own (decode), or 0: a job per row and K/V head (prefill); the same result (see
-    KV_CHUNK). A row's arithmetic does not depend on the other
-    rows, sequences or pages: a sequence gets the same bits batched as alone.
+    KV_CHUNK). A row's arithmetic does not depend on the other rows, sequences or pages: a
+    sequence gets the same bits batched as alone.
     scratch: `attention_scratch(...)`, allocated once by the caller.
     out: float32[n_rows, n_heads, head_dim]
     """
