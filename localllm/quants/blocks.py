@@ -34,7 +34,7 @@ import numpy as np
 from llvmlite import ir
 from numba.core import cgutils
 
-from .cpu import BIT_SHUFFLES, INSTRUCTION_SET, MASK_REGISTERS, TILE_LANES
+from .cpu import BIT_SHUFFLES, BYTE_PERMUTES, INSTRUCTION_SET, MASK_REGISTERS, TILE_LANES
 from .iquants import (
     IQ1_GRID,
     IQ2S_GRID,
@@ -134,13 +134,15 @@ class Layout:
     the one-token kernel takes the scaled chunks two to a zmm; measured, it pays where a chunk's
     offset and 16-weight scales cost as much as its unpacking (Q6_K 23 -> 36 G MAC/s, Q2_K 27 ->
     34, one thread), and loses where the unpacking is a byte op or two (Q4_K 34 -> 30) or a grid
-    gather with ymm-only sign steps (IQ2_XS 15 -> 11)."""
+    gather with ymm-only sign steps (IQ2_XS 15 -> 11). short_scales: every scale is within
+    0..65535 already, so the kernels need not mask it to 16 bits for vpmaddwd."""
 
     sub_cols: int = 0
     min_cols: int = 0
     float_min: bool = False
     narrow: bool = False
     paired: bool = False
+    short_scales: bool = False
 
 
 def layout(**fields):
@@ -179,6 +181,19 @@ class BlockReader:
     def nibbles(self, v):
         """(low, high) nibbles of a byte vector."""
         return self.b.and_(v, splat(v.type, 15)), self.b.lshr(v, splat(v.type, 4))
+
+    def nibble_halves(self, block, offset, masked=True):
+        """<32 x u8>: the low nibbles of the 16 bytes at block + offset, then their high
+        nibbles: the bytes loaded into both halves of a ymm (vbroadcasti128, a load), the high
+        half's dwords shifted by 4 (vpsrlvd) and one mask: two instructions, where nibbles and
+        a concatenation took four. Unmasked, each byte's low nibble is right and its high one
+        garbage (for a lookup that reads only the low bits)."""
+        b = self.b
+        both = self.load(block, offset, V16I8)
+        both = b.shuffle_vector(both, both, ir.Constant(ir.VectorType(I32, 32), [*range(16)] * 2))
+        shifts = ir.Constant(V8I32, [0] * 4 + [4] * 4)
+        shifted = b.bitcast(b.lshr(b.bitcast(both, V8I32), shifts), V32I8)
+        return b.and_(shifted, splat(V32I8, 15)) if masked else shifted
 
     def concat(self, lo, hi):
         n = lo.type.count
@@ -228,6 +243,20 @@ class BlockReader:
             table = ir.GlobalVariable(module, table_type, name)
             table.linkage, table.global_constant = "internal", True
             table.initializer = ir.Constant(table_type, [int(v) for v in values])
+        return module.globals[name]
+
+    def mutable_table(self, name, vector_type, rows):
+        """A global array of vectors that LLVM must load rather than fold (a writable global
+        that other modules could change): a shuffle mask kept as the operand of the instruction
+        it is written for, where a constant would be rewritten into other shuffles."""
+        module = self.b.module
+        if name not in module.globals:
+            table_type = ir.ArrayType(vector_type, len(rows))
+            table = ir.GlobalVariable(module, table_type, name)
+            table.linkage = "linkonce_odr"
+            table.initializer = ir.Constant(
+                table_type, [ir.Constant(vector_type, list(row)) for row in rows]
+            )
         return module.globals[name]
 
     def gather(self, table, indices, element=I32):
@@ -282,30 +311,26 @@ class BlockReader:
 
 @layout()
 def q4_0(e, blk, c):
-    lo, hi = e.nibbles(e.load(blk, 2, V16I8))
-    yield Chunk(c, e.concat(lo, hi), 8)
+    yield Chunk(c, e.nibble_halves(blk, 2), 8)
     yield BlockEnd(c, e.f16(blk, 0))
 
 
 @layout(float_min=True)
 def q4_1(e, blk, c):
-    lo, hi = e.nibbles(e.load(blk, 4, V16I8))
-    yield Chunk(c, e.concat(lo, hi), 0)
+    yield Chunk(c, e.nibble_halves(blk, 4), 0)
     yield BlockEnd(c, e.f16(blk, 0), fmin=e.f16(blk, 2))
 
 
 @layout()
 def q5_0(e, blk, c):
-    lo, hi = e.nibbles(e.load(blk, 6, V16I8))
-    u = e.b.or_(e.concat(lo, hi), e.bits_to_16(e.load(blk, 2, I32)))
+    u = e.b.or_(e.nibble_halves(blk, 6), e.bits_to_16(e.load(blk, 2, I32)))
     yield Chunk(c, u, 16)
     yield BlockEnd(c, e.f16(blk, 0))
 
 
 @layout(float_min=True)
 def q5_1(e, blk, c):
-    lo, hi = e.nibbles(e.load(blk, 8, V16I8))
-    u = e.b.or_(e.concat(lo, hi), e.bits_to_16(e.load(blk, 4, I32)))
+    u = e.b.or_(e.nibble_halves(blk, 8), e.bits_to_16(e.load(blk, 4, I32)))
     yield Chunk(c, u, 0)
     yield BlockEnd(c, e.f16(blk, 0), fmin=e.f16(blk, 2))
 
@@ -344,13 +369,23 @@ def _scales_mins_k4(e, blk):
         lanes = ir.Constant(ir.VectorType(I32, 8), list(range(first, first + 8)))
         return b.zext(b.shuffle_vector(packed, packed, lanes), V8I32)
 
-    return eight_bytes(0), eight_bytes(8)
+    both = b.shuffle_vector(packed, packed, ir.Constant(ir.VectorType(I32, 32), [*range(16)] * 2))
+    picks = e.mutable_table(
+        "k4_scale_picks", V32I8, [[k if j % 4 == 0 else -128 for j in range(32)] for k in range(8)]
+    )
+
+    def scale_lanes(k):  # <8 x i32>: scale k in every lane, by one vpshufb (its mask loaded:
+        # LLVM had turned a constant byte shuffle into an extract and a broadcast, two uops)
+        mask = b.load(b.gep(picks, [ir.Constant(I32, 0), ir.Constant(I32, k)]), align=32)
+        return b.bitcast(e.intrinsic("llvm.x86.avx2.pshuf.b", V32I8, both, mask), V8I32)
+
+    return scale_lanes, eight_bytes(8)
 
 
 def _k_asymmetric(e, blk, c0, quants_at, high_bits_at):
     """Q4_K / Q5_K: w = d * sc * q - dmin * m per 32-weight sub-block, 6-bit sc and m."""
     b = e.b
-    scales, mins = _scales_mins_k4(e, blk)
+    scale_lanes, mins = _scales_mins_k4(e, blk)
     qh = e.load(blk, high_bits_at, V32I8) if high_bits_at else None
     for j in range(4):
         lo, hi = e.nibbles(e.load(blk, quants_at + 32 * j, V32I8))
@@ -358,16 +393,16 @@ def _k_asymmetric(e, blk, c0, quants_at, high_bits_at):
             if qh is not None:  # bit k of qh[l] is bit 4 of weight 32k + l
                 bit = b.and_(b.lshr(qh, splat(V32I8, k)), splat(V32I8, 1))
                 u = b.or_(u, b.shl(bit, splat(V32I8, 4)))
-            yield Chunk(e.chunk_index(c0, k), u, 0, b.extract_element(scales, ir.Constant(I32, k)))
+            yield Chunk(e.chunk_index(c0, k), u, 0, scale_lanes(k))
     yield BlockEnd(c0, e.f16(blk, 0), mins, b.fneg(e.f16(blk, 2)))
 
 
-@layout(sub_cols=32, min_cols=32, narrow=True)
+@layout(sub_cols=32, min_cols=32, narrow=True, short_scales=True)
 def q4_k(e, blk, c0):
     return _k_asymmetric(e, blk, c0, quants_at=16, high_bits_at=0)
 
 
-@layout(sub_cols=32, min_cols=32, narrow=True)
+@layout(sub_cols=32, min_cols=32, narrow=True, short_scales=True)
 def q5_k(e, blk, c0):
     return _k_asymmetric(e, blk, c0, quants_at=48, high_bits_at=16)
 
@@ -456,25 +491,28 @@ def q3_k(e, blk, c0):
 # ---- i-quants: 4-bit indices into ggml's non-uniform grid kvalues_iq4nl
 
 
-def _iq4_levels(e, packed, grid=KVALUES_IQ4NL):
-    """(u, offset) of 32 weights from 16 bytes of 4-bit indices (low nibbles, then high): the
+def _iq4_levels(e, blk, offset, grid=KVALUES_IQ4NL):
+    """(u, offset) of 32 weights from the 16 bytes of 4-bit indices at blk + offset (low
+    nibbles, then high): the
     int8 levels of `grid` looked up with vpshufb, which indexes each 128-bit half of the table
     separately, so the 16 levels sit in both halves. For vpdpbusd the table holds the levels
     + 128 (unsigned, 128 subtracted through the lane sums); AVX2 takes the int8 levels with
     ggml's sign trick."""
-    lo, hi = e.nibbles(packed)
     if INSTRUCTION_SET == "vnni":
-        levels, offset = [v + 128 for v in grid], 128
+        levels, level_offset = [v + 128 for v in grid], 128
     else:
-        levels, offset = list(grid), SIGNED
+        levels, level_offset = list(grid), SIGNED
     table = ir.Constant(V32I8, [v if v < 128 else v - 256 for v in levels * 2])
-    return e.lookup(table, e.concat(lo, hi)), offset
+    if BYTE_PERMUTES:  # vpermb of 32 bytes reads 5 index bits: the table twice covers bit 4
+        indices = e.nibble_halves(blk, offset, masked=False)
+        return e.intrinsic("llvm.x86.avx512.permvar.qi.256", V32I8, table, indices), level_offset
+    return e.lookup(table, e.nibble_halves(blk, offset)), level_offset
 
 
 @layout()
 def iq4_nl(e, blk, c):
     """d f16 | qs[16]: w = d * level[q], as Q4_0 with a grid for q - 8."""
-    u, offset = _iq4_levels(e, e.load(blk, 2, V16I8))
+    u, offset = _iq4_levels(e, blk, 2)
     yield Chunk(c, u, offset)
     yield BlockEnd(c, e.f16(blk, 0))
 
@@ -497,7 +535,7 @@ def _e8m0_half(e, exponent):
 def mxfp4(e, blk, c):
     """e u8 | qs[16]: w = 2^(e - 128) * grid[q], as IQ4_NL with the MXFP4 grid and an E8M0
     scale (ggml's vec_dot_mxfp4_q8_0)."""
-    u, offset = _iq4_levels(e, e.load(blk, 1, V16I8), KVALUES_MXFP4)
+    u, offset = _iq4_levels(e, blk, 1, KVALUES_MXFP4)
     yield Chunk(c, u, offset)
     yield BlockEnd(c, _e8m0_half(e, e.byte(blk, 0)))
 
@@ -507,13 +545,14 @@ def iq4_xs(e, blk, c0):
     """d f16 | scales_h u16 | scales_l[4] | qs[128]: w = d * (ls - 32) * level[q] per 32
     weights (ggml's vec_dot_iq4_xs_q8_K)."""
     b = e.b
-    scales_h = b.zext(e.load(blk, 2, I16), I32)
+    # the 8 scales at once: nibble j of scales_l (bits 4j..4j+3 of its word), crumb j of scales_h
+    low = b.lshr(e.splat8i(e.load(blk, 4, I32)), ir.Constant(V8I32, [4 * j for j in range(8)]))
+    high = b.lshr(e.splat8i(e.words(blk, 2, I16, 1)), ir.Constant(V8I32, [2 * j for j in range(8)]))
+    ls = b.or_(b.and_(low, splat(V8I32, 15)), b.shl(b.and_(high, splat(V8I32, 3)), splat(V8I32, 4)))
+    scales = b.sub(ls, splat(V8I32, 32))
     for j in range(8):
-        low = b.lshr(e.byte(blk, 4 + j // 2), ir.Constant(I32, 4 * (j % 2)))
-        high = b.and_(b.lshr(scales_h, ir.Constant(I32, 2 * j)), ir.Constant(I32, 3))
-        ls = b.or_(b.and_(low, ir.Constant(I32, 15)), b.shl(high, ir.Constant(I32, 4)))
-        u, offset = _iq4_levels(e, e.load(blk, 8 + 16 * j, V16I8))
-        yield Chunk(e.chunk_index(c0, j), u, offset, b.sub(ls, ir.Constant(I32, 32)))
+        u, offset = _iq4_levels(e, blk, 8 + 16 * j)
+        yield Chunk(e.chunk_index(c0, j), u, offset, b.extract_element(scales, ir.Constant(I32, j)))
     yield BlockEnd(c0, e.f16(blk, 0))
 
 

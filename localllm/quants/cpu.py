@@ -68,6 +68,10 @@ MASK_REGISTERS = {"avx512bw", "avx512vl"} <= _USABLE
 # instructions (blocks._ksigns)
 BIT_SHUFFLES = {"gfni", "avx512bitalg", "avx512bw", "avx512vl"} <= _USABLE
 
+# AVX-512 VBMI (Ice Lake, Zen 4 and later): vpermb, a byte table lookup that ignores the index
+# bits above the table (blocks._iq4_levels: no mask of the nibbles first)
+BYTE_PERMUTES = {"avx512vbmi", "avx512vl"} <= _USABLE
+
 # Half <-> float in one instruction where the CPU has one (x86 F16C: every AVX2 CPU; ARMv8);
 # elsewhere LLVM would call a runtime helper Numba cannot link, so bit-exact integer code.
 HARDWARE_HALF = "f16c" in _USABLE or platform.machine().lower() in ("aarch64", "arm64")

@@ -22,10 +22,10 @@ prefetch ahead of the weight stream. One 32-weight chunk (blocks.py's Chunk) at 
 
 An offset o (w = u - o) is subtracted through `init = -o * xl`, the activations' sums of 4
 computed once per token. At the block's end the lanes are added into the block's exact integer
-sum S, and the float steps of blocks.py follow, one scalar accumulator per row and token: the
-arithmetic gemm.py's tiles do per lane, so a token's result does not depend on the kernel or
-the tile it is in. 32-weight blocks (Q8_0 ...) wait in groups of 8 so that one transposing add
-(vphaddd) gives their 8 sums at once.
+sum S, and the float steps of blocks.py follow, one accumulator per row and token (the rows'
+in one vector, each lane the arithmetic gemm.py's tiles do per lane), so a token's result does
+not depend on the kernel or the tile it is in. The sums go by transposing adds (vphaddd): a
+super-block's S and M of the 4 rows at once, 32-weight blocks (Q8_0 ...) 8 of a row at once.
 
 `INSTRUCTION_SET` (cpu.py) is "vnni" (vpdpbusd), "avx2" (vpmaddubsw + vpmaddwd, with ggml's sign
 trick for Q8_0's full int8 range), or None, where `AVAILABLE` is False and the float kernels in
@@ -89,6 +89,22 @@ def sums_of_8(e, vectors):
     return b.add(low, high)
 
 
+def lane_totals(e, vectors):
+    """<8 x i32>: lane j the sum of the lanes of vectors[j] (at most 8 <8 x i32>; the lanes past
+    them 0), exact: sums_of_8 with zeros."""
+    assert len(vectors) <= 8, "a flush covers at most 4 rows (ROWS) with their mins"
+    return sums_of_8(e, vectors + [ir.Constant(V8I32, None)] * (8 - len(vectors)))
+
+
+def _half_bits(value):
+    """The i16 bits of a half that `value` converts to float (blocks.py's f16), or None."""
+    if isinstance(value, ir.CastInstr) and value.opname == "fpext":
+        half = value.operands[0]
+        if isinstance(half, ir.CastInstr) and half.opname == "bitcast":
+            return half.operands[0]
+    return None
+
+
 def fma(e, a, b, c):
     """a * b + c with one rounding, in every kernel alike (never left to LLVM's contraction)."""
     name = "llvm.fma.f32" if a.type == F32 else f"llvm.fma.v{a.type.count}f32"
@@ -104,7 +120,7 @@ def float_steps(e, acc, total, end, dx, sums, xs):
     b = e.b
 
     def like_acc(v):
-        if acc.type == F32:
+        if v.type == acc.type:
             return v
         one = b.insert_element(ir.Constant(acc.type, None), v, ir.Constant(I32, 0))
         lanes = ir.VectorType(I32, acc.type.count)
@@ -124,20 +140,24 @@ class _Emitter(BlockReader):
 
     def __init__(self, builder, n_rows, xq, xd, xs, xl, xb, deferred, layout):
         super().__init__(builder)
+        b = builder
         self.narrow = layout.narrow  # scaled chunks' lane sums fit int16
+        self.short_scales = layout.short_scales  # and their scales need no mask
         self.paired = ZMM and layout.paired  # and go two to a zmm
         self.xq, self.xd, self.xs, self.xl, self.xb = xq, xd, xs, xl, xb  # i8*, f32*, f32*, i32*
         self.iacc = [cgutils.alloca_once_value(builder, ir.Constant(V8I32, None))
                      for _ in range(n_rows)]  # fmt: skip
-        self.acc = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
-                    for _ in range(n_rows)]  # fmt: skip
+        rows_type = ir.VectorType(F32, n_rows)  # the rows' float accumulators
+        self.acc = cgutils.alloca_once_value(builder, ir.Constant(rows_type, None))
+        b.store(ir.Constant(rows_type, [0.0] * n_rows), self.acc)
         if ZMM:  # pairs of chunks: their sums, and a chunk waiting for its pair
             self.iacc16 = [cgutils.alloca_once_value(builder, ir.Constant(_V16I32, None))
                            for _ in range(n_rows)]  # fmt: skip
             self.held = [None] * n_rows
-        # 32-weight blocks: (lanes, BlockEnd) until 8 of them can be added up together
+        # blocks ended: (lanes, BlockEnd) each, until flush (32-weight blocks: up to 8 a row)
         self.deferred = deferred
         self.pending = [[] for _ in range(n_rows)]
+        self.scaled = [[] for _ in range(n_rows)]  # wide chunk sums and their i32 scales
 
     def take(self, row, item):
         if isinstance(item, BlockEnd):
@@ -200,6 +220,10 @@ class _Emitter(BlockReader):
         b = self.b
         init, u, x = self.operands(chunk)
         scale = chunk.scale
+        if scale is not None and scale.type == I32 and not self.narrow:
+            # wide sums (IQ4_XS): the block's chunks scaled together at its end
+            self.scaled[row].append((self.dot(init, u, x), scale))
+            return
         if scale is not None and scale.type == I32:
             scale = self.splat8i(scale)
         wide = u.type.count == 64  # a reader's 64-weight chunk, narrow and scaled
@@ -226,7 +250,9 @@ class _Emitter(BlockReader):
         b = self.b
         n = acc.type.count
         v_i16 = ir.VectorType(ir.IntType(16), 2 * n)
-        pair = b.bitcast(b.and_(scale, splat(acc.type, 0xFFFF)), v_i16)
+        if not self.short_scales:
+            scale = b.and_(scale, splat(acc.type, 0xFFFF))
+        pair = b.bitcast(scale, v_i16)
         name = "llvm.x86.avx2.pmadd.wd" if n == 8 else "llvm.x86.avx512.pmaddw.d.512"
         return b.add(acc, self.intrinsic(name, acc.type, b.bitcast(isum, v_i16), pair))
 
@@ -234,56 +260,102 @@ class _Emitter(BlockReader):
         b = self.b
         lanes = b.load(self.iacc[row])
         b.store(ir.Constant(V8I32, None), self.iacc[row])
+        scaled, self.scaled[row] = self.scaled[row], []
+        if len(scaled) == 8:  # lane k: chunk k's sum (a transposing add), times its scale
+            sums = sums_of_8(self, [isum for isum, _ in scaled])
+            lanes = b.add(lanes, b.mul(sums, self.over_rows(scale for _, scale in scaled)))
+        for isum, scale in scaled if len(scaled) != 8 else ():
+            lanes = b.add(lanes, b.mul(isum, self.splat8i(scale)))
         if ZMM:
             assert self.held[row] is None, "a paired type's blocks hold an even number of chunks"
             wide = b.load(self.iacc16[row])
             b.store(ir.Constant(_V16I32, None), self.iacc16[row])
             parts = [self.spread(wide, list(range(h, h + 8))) for h in (0, 8)]
             lanes = b.add(lanes, b.add(*parts))
-        if self.deferred:
-            self.pending[row].append((lanes, end))
-            if len(self.pending[row]) == 8:
-                self.flush(row)
-            return
-        self.float_steps(row, reduce_add(self, lanes), end)
+        self.pending[row].append((lanes, end))
 
-    def flush(self, row):
-        """The float steps of the waiting 32-weight blocks, in order: 8 of them summed by one
-        transposing add, fewer (a row's last) one by one."""
-        pending, self.pending[row] = self.pending[row], []
-        if len(pending) >= 4:  # a short group padded with zeros
-            vectors = [lanes for lanes, _ in pending]
-            vectors += [ir.Constant(V8I32, None)] * (8 - len(vectors))
-            sums = sums_of_8(self, vectors)
-            totals = [
-                self.b.extract_element(sums, ir.Constant(I32, k)) for k in range(len(pending))
-            ]
-        else:
-            totals = [reduce_add(self, lanes) for lanes, _ in pending]
-        for total, (_, end) in zip(totals, pending):
-            self.float_steps(row, total, end)
-
-    def float_steps(self, row, total, end):
+    def activation_sums(self, c, count):
+        """<count x i32>: the activations' sums over the sub-blocks (of 16 or 32 columns) of the
+        block whose first chunk is c."""
         b = self.b
-        c = end.index
-        dx = b.load(b.gep(self.xd, [c]))
+        at = b.gep(self.xb, [b.mul(c, ir.Constant(c.type, 2))])  # sums of 16, from chunk c
+        sums = b.load(b.bitcast(at, _V16I32.as_pointer()), align=4)
+        if count == 8:  # per 32: pairs of sums of 16
+            even, odd = ([2 * k + i for k in range(8)] for i in (0, 1))
+            undef = ir.Constant(_V16I32, None)
+            sums = b.add(b.shuffle_vector(sums, undef, ir.Constant(V8I32, even)),
+                         b.shuffle_vector(sums, undef, ir.Constant(V8I32, odd)))  # fmt: skip
+        return sums
 
-        def mins_sum(mins):  # sum over sub-blocks of mins * (their activation sums)
-            at = b.gep(self.xb, [b.mul(c, ir.Constant(c.type, 2))])  # sums of 16, from chunk c
-            sums = b.load(b.bitcast(at, _V16I32.as_pointer()), align=4)
-            if mins.type.count == 8:  # per 32: pairs of sums of 16
-                even, odd = ([2 * k + i for k in range(8)] for i in (0, 1))
-                undef = ir.Constant(_V16I32, None)
-                sums = b.add(b.shuffle_vector(sums, undef, ir.Constant(V8I32, even)),
-                             b.shuffle_vector(sums, undef, ir.Constant(V8I32, odd)))  # fmt: skip
-            return reduce_add(self, b.mul(mins, sums))
+    def flush(self):
+        """The float steps of the rows' waiting blocks (each row the same columns, in order),
+        one vector over the rows per block. Integer sums by transposing adds: of 32-weight
+        blocks (up to 8 a row), each row's blocks at once; of super-blocks (one a row), the
+        rows' sums S and mins sums M at once."""
+        b = self.b
+        pending, self.pending = self.pending, [[] for _ in self.pending]
+        n = len(pending)
+        if self.deferred:
+            sums = [lane_totals(self, [lanes for lanes, _ in blocks]) for blocks in pending]
+            for k in range(len(pending[0])):
+                s = self.over_rows(b.extract_element(v, ir.Constant(I32, k)) for v in sums)
+                self.rows_step([blocks[k][1] for blocks in pending], s, None)
+            return
+        for k in range(len(pending[0])):
+            ends = [blocks[k][1] for blocks in pending]
+            vectors = [blocks[k][0] for blocks in pending]
+            mins = ends[0].mins
+            if mins is not None:
+                sums = self.activation_sums(ends[0].index, mins.type.count)
+                for end in ends:
+                    products = b.mul(end.mins, sums)
+                    if products.type.count == 16:  # per 16 columns: the halves added
+                        parts = [self.spread(products, list(range(h, h + 8))) for h in (0, 8)]
+                        products = b.add(*parts)
+                    vectors.append(products)
+            totals = lane_totals(self, vectors)
+            m = None if mins is None else self.spread(totals, list(range(n, 2 * n)))
+            self.rows_step(ends, self.spread(totals, list(range(n))), m)
 
-        xs = b.load(b.gep(self.xs, [c])) if end.fmin is not None else None
-        acc = float_steps(self, b.load(self.acc[row]), total, end, dx, mins_sum, xs)
-        b.store(acc, self.acc[row])
+    def over_rows(self, values):
+        """<n_rows x T>: one value per row. Halves converted to float (BlockEnd's d ...) are
+        put together in a general register, then converted at once: a shift and an or each
+        there, where the vector unit (the kernels' bottleneck) took a vpinsrw each."""
+        b = self.b
+        values = list(values)
+        halves = [_half_bits(v) for v in values]
+        if all(h is not None for h in halves) and len(halves) <= 4:
+            word = ir.IntType(16 * len(halves))
+            bits = ir.Constant(word, 0)
+            for k, h in enumerate(halves):
+                bits = b.or_(bits, b.shl(b.zext(h, word), ir.Constant(word, 16 * k)))
+            vector = b.bitcast(bits, ir.VectorType(ir.HalfType(), len(halves)))
+            return b.fpext(vector, ir.VectorType(F32, len(halves)))
+        v = ir.Constant(ir.VectorType(values[0].type, len(values)), None)
+        for k, value in enumerate(values):
+            v = self.b.insert_element(v, value, ir.Constant(I32, k))
+        return v
+
+    def rows_step(self, ends, s, m):
+        """blocks.py's float steps of one block of each row (BlockEnds `ends`, the same
+        columns), their integer sums s and mins sums m (<n_rows x i32>) given."""
+        b = self.b
+        n = len(ends)
+        c = ends[0].index
+
+        def field(name):
+            if getattr(ends[0], name) is None:
+                return None
+            return self.over_rows(getattr(end, name) for end in ends)
+
+        end = BlockEnd(c, field("d"), ends[0].mins, field("dmin"), field("fmin"))
+        dx = self.spread(b.load(b.gep(self.xd, [c])), [0] * n)
+        xs = None if end.fmin is None else self.spread(b.load(b.gep(self.xs, [c])), [0] * n)
+        acc = float_steps(self, b.load(self.acc), s, end, dx, lambda _: m, xs)
+        b.store(acc, self.acc)
 
     def result(self, row):
-        return self.b.load(self.acc[row])
+        return self.b.extract_element(self.b.load(self.acc), ir.Constant(I32, row))
 
 
 # Software prefetch this far ahead of the bytes being read. The hardware prefetchers alone left a
@@ -392,9 +464,8 @@ def _rows_typer(type_size, chunks_per_block, read_block, n_rows, n_tokens):
                         for item in read_block(e, builder.gep(row, [offset]), first):
                             for em in emitters:
                                 em.take(i, item)
-                    for em in emitters:
-                        if em.deferred:
-                            em.flush(i)
+                for em in emitters:
+                    em.flush()
 
             n_blocks = builder.udiv(row_bytes, ir.Constant(I64, type_size))
             n_groups = builder.udiv(n_blocks, ir.Constant(I64, group))
