@@ -456,21 +456,22 @@ def q2_k(e, blk, c0):
 
 
 def _q3_k_scales(e, blk):
-    """<16 x i32>: the 16 6-bit scales from the 12 packed bytes at offset 96, minus 32, as ggml
-    unpacks them."""
+    """<16 x i32>: the 16 6-bit scales from the 12 packed bytes at offset 96, minus 32, with
+    ggml's masks on the words aux0, aux1, tmp all at once (as _scales_mins_k4): [aux0, aux1,
+    aux0 >> 4, aux1 >> 4] & 0x0F0F0F0F | ((tmp >> [0, 2, 4, 6]) & 0x03030303) << 4."""
     b = e.b
+    v4 = ir.VectorType(I32, 4)
+    words = e.load(blk, 96, ir.VectorType(I32, 3))  # aux0, aux1, tmp (12 bytes: the block's)
 
-    def bits(v, shift, mask):
-        return b.and_(b.lshr(v, ir.Constant(I32, shift)), ir.Constant(I32, mask))
+    def c(*values):
+        return ir.Constant(v4, list(values))
 
-    scales = ir.Constant(V16I32, None)
-    for k in range(16):
-        group, i = divmod(k, 4)
-        low = bits(e.byte(blk, 96 + 4 * (group % 2) + i), 4 * (group // 2), 15)
-        high = bits(e.byte(blk, 96 + 8 + i), 2 * group, 3)
-        value = b.sub(b.or_(low, b.shl(high, ir.Constant(I32, 4))), ir.Constant(I32, 32))
-        scales = b.insert_element(scales, value, ir.Constant(I32, k))
-    return scales
+    low = b.shuffle_vector(words, words, ir.Constant(v4, [0, 1, 0, 1]))
+    low = b.and_(b.lshr(low, c(0, 0, 4, 4)), c(*[0x0F0F0F0F] * 4))
+    top = b.shuffle_vector(words, words, ir.Constant(v4, [2, 2, 2, 2]))
+    top = b.shl(b.and_(b.lshr(top, c(0, 2, 4, 6)), c(*[0x03030303] * 4)), c(4, 4, 4, 4))
+    packed = b.zext(b.bitcast(b.or_(low, top), V16I8), V16I32)
+    return b.sub(packed, splat(V16I32, 32))
 
 
 @layout(sub_cols=16, narrow=True, paired=True)
