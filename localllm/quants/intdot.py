@@ -140,7 +140,6 @@ class _Emitter(BlockReader):
 
     def __init__(self, builder, n_rows, xq, xd, xs, xl, xb, deferred, layout):
         super().__init__(builder)
-        b = builder
         self.narrow = layout.narrow  # scaled chunks' lane sums fit int16
         self.short_scales = layout.short_scales  # and their scales need no mask
         self.paired = ZMM and layout.paired  # and go two to a zmm
@@ -149,7 +148,7 @@ class _Emitter(BlockReader):
                      for _ in range(n_rows)]  # fmt: skip
         rows_type = ir.VectorType(F32, n_rows)  # the rows' float accumulators
         self.acc = cgutils.alloca_once_value(builder, ir.Constant(rows_type, None))
-        b.store(ir.Constant(rows_type, [0.0] * n_rows), self.acc)
+        builder.store(ir.Constant(rows_type, [0.0] * n_rows), self.acc)
         if ZMM:  # pairs of chunks: their sums, and a chunk waiting for its pair
             self.iacc16 = [cgutils.alloca_once_value(builder, ir.Constant(_V16I32, None))
                            for _ in range(n_rows)]  # fmt: skip
@@ -263,9 +262,10 @@ class _Emitter(BlockReader):
         scaled, self.scaled[row] = self.scaled[row], []
         if len(scaled) == 8:  # lane k: chunk k's sum (a transposing add), times its scale
             sums = sums_of_8(self, [isum for isum, _ in scaled])
-            lanes = b.add(lanes, b.mul(sums, self.over_rows(scale for _, scale in scaled)))
-        for isum, scale in scaled if len(scaled) != 8 else ():
-            lanes = b.add(lanes, b.mul(isum, self.splat8i(scale)))
+            lanes = b.add(lanes, b.mul(sums, self.vector_of(scale for _, scale in scaled)))
+        else:
+            for isum, scale in scaled:
+                lanes = b.add(lanes, b.mul(isum, self.splat8i(scale)))
         if ZMM:
             assert self.held[row] is None, "a paired type's blocks hold an even number of chunks"
             wide = b.load(self.iacc16[row])
@@ -298,7 +298,7 @@ class _Emitter(BlockReader):
         if self.deferred:
             sums = [lane_totals(self, [lanes for lanes, _ in blocks]) for blocks in pending]
             for k in range(len(pending[0])):
-                s = self.over_rows(b.extract_element(v, ir.Constant(I32, k)) for v in sums)
+                s = self.vector_of(b.extract_element(v, ir.Constant(I32, k)) for v in sums)
                 self.rows_step([blocks[k][1] for blocks in pending], s, None)
             return
         for k in range(len(pending[0])):
@@ -317,10 +317,11 @@ class _Emitter(BlockReader):
             m = None if mins is None else self.spread(totals, list(range(n, 2 * n)))
             self.rows_step(ends, self.spread(totals, list(range(n))), m)
 
-    def over_rows(self, values):
-        """<n_rows x T>: one value per row. Halves converted to float (BlockEnd's d ...) are
-        put together in a general register, then converted at once: a shift and an or each
-        there, where the vector unit (the kernels' bottleneck) took a vpinsrw each."""
+    def vector_of(self, values):
+        """<n x T>: the n values (one per row, or per chunk) as a vector. Halves converted to
+        float (BlockEnd's d ...) are put together in a general register, then converted at
+        once: a shift and an or each there, where the vector unit took a vpinsrw each, in a
+        chain (IQ4_NL in cache 10.5 -> 15.3 GB/s; a gather of the 4 halves: 14.0)."""
         b = self.b
         values = list(values)
         halves = [_half_bits(v) for v in values]
@@ -346,7 +347,7 @@ class _Emitter(BlockReader):
         def field(name):
             if getattr(ends[0], name) is None:
                 return None
-            return self.over_rows(getattr(end, name) for end in ends)
+            return self.vector_of(getattr(end, name) for end in ends)
 
         end = BlockEnd(c, field("d"), ends[0].mins, field("dmin"), field("fmin"))
         dx = self.spread(b.load(b.gep(self.xd, [c])), [0] * n)
