@@ -235,28 +235,23 @@ class BlockReader:
         """v negated where s < 0, zeroed where s == 0 (vpsignb)."""
         return self.intrinsic("llvm.x86.avx2.psign.b", V32I8, v, s)
 
-    def table(self, name, values, element=I32):
-        """A constant global array of this module (one per module, by name)."""
+    def table(self, name, values, element=I32, writable=False):
+        """A global array of this module (one per module, by name): of integers, or of vectors
+        when `element` is a vector type (each value a sequence). Constant, or writable, which
+        LLVM must load rather than fold (other modules could change it): a shuffle mask kept as
+        the operand of the instruction it is written for, where a constant would be rewritten
+        into other shuffles."""
         module = self.b.module
         if name not in module.globals:
             table_type = ir.ArrayType(element, len(values))
             table = ir.GlobalVariable(module, table_type, name)
-            table.linkage, table.global_constant = "internal", True
-            table.initializer = ir.Constant(table_type, [int(v) for v in values])
-        return module.globals[name]
-
-    def mutable_table(self, name, vector_type, rows):
-        """A global array of vectors that LLVM must load rather than fold (a writable global
-        that other modules could change): a shuffle mask kept as the operand of the instruction
-        it is written for, where a constant would be rewritten into other shuffles."""
-        module = self.b.module
-        if name not in module.globals:
-            table_type = ir.ArrayType(vector_type, len(rows))
-            table = ir.GlobalVariable(module, table_type, name)
-            table.linkage = "linkonce_odr"
-            table.initializer = ir.Constant(
-                table_type, [ir.Constant(vector_type, list(row)) for row in rows]
-            )
+            table.linkage = "linkonce_odr" if writable else "internal"
+            table.global_constant = not writable
+            if isinstance(element, ir.VectorType):
+                items = [ir.Constant(element, [int(v) for v in row]) for row in values]
+            else:
+                items = [int(v) for v in values]
+            table.initializer = ir.Constant(table_type, items)
         return module.globals[name]
 
     def gather(self, table, indices, element=I32):
@@ -370,8 +365,11 @@ def _scales_mins_k4(e, blk):
         return b.zext(b.shuffle_vector(packed, packed, lanes), V8I32)
 
     both = b.shuffle_vector(packed, packed, ir.Constant(ir.VectorType(I32, 32), [*range(16)] * 2))
-    picks = e.mutable_table(
-        "k4_scale_picks", V32I8, [[k if j % 4 == 0 else -128 for j in range(32)] for k in range(8)]
+    picks = e.table(
+        "k4_scale_picks",
+        [[k if j % 4 == 0 else -128 for j in range(32)] for k in range(8)],
+        V32I8,
+        writable=True,
     )
 
     def scale_lanes(k):  # <8 x i32>: scale k in every lane, by one vpshufb (its mask loaded:
@@ -494,11 +492,11 @@ def q3_k(e, blk, c0):
 
 def _iq4_levels(e, blk, offset, grid=KVALUES_IQ4NL):
     """(u, offset) of 32 weights from the 16 bytes of 4-bit indices at blk + offset (low
-    nibbles, then high): the
-    int8 levels of `grid` looked up with vpshufb, which indexes each 128-bit half of the table
-    separately, so the 16 levels sit in both halves. For vpdpbusd the table holds the levels
-    + 128 (unsigned, 128 subtracted through the lane sums); AVX2 takes the int8 levels with
-    ggml's sign trick."""
+    nibbles, then high): the int8 levels of `grid` looked up with vpshufb, which indexes each
+    128-bit half of the table separately, so the 16 levels sit in both halves (or with vpermb,
+    which reads 5 index bits of the whole table). For vpdpbusd the table holds the levels + 128
+    (unsigned, 128 subtracted through the lane sums); AVX2 takes the int8 levels with ggml's
+    sign trick."""
     if INSTRUCTION_SET == "vnni":
         levels, level_offset = [v + 128 for v in grid], 128
     else:
@@ -550,7 +548,8 @@ def iq4_xs(e, blk, c0):
     low = b.lshr(e.splat8i(e.load(blk, 4, I32)), ir.Constant(V8I32, [4 * j for j in range(8)]))
     high = b.lshr(e.splat8i(e.words(blk, 2, I16, 1)), ir.Constant(V8I32, [2 * j for j in range(8)]))
     ls = b.or_(b.and_(low, splat(V8I32, 15)), b.shl(b.and_(high, splat(V8I32, 3)), splat(V8I32, 4)))
-    scales = b.sub(ls, splat(V8I32, 32))
+    scales = b.sub(ls, splat(V8I32, 32))  # each chunk takes its lane (intdot's wide sums put
+    # the 8 back together into this vector, which LLVM sees through)
     for j in range(8):
         u, offset = _iq4_levels(e, blk, 8 + 16 * j)
         yield Chunk(e.chunk_index(c0, j), u, offset, b.extract_element(scales, ir.Constant(I32, j)))

@@ -92,7 +92,7 @@ def sums_of_8(e, vectors):
 def lane_totals(e, vectors):
     """<8 x i32>: lane j the sum of the lanes of vectors[j] (at most 8 <8 x i32>; the lanes past
     them 0), exact: sums_of_8 with zeros."""
-    assert len(vectors) <= 8, "a flush covers at most 4 rows (ROWS) with their mins"
+    assert len(vectors) <= 8, "at most 8 blocks of a row, or 4 rows (ROWS) with their mins"
     return sums_of_8(e, vectors + [ir.Constant(V8I32, None)] * (8 - len(vectors)))
 
 
