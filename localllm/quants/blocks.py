@@ -53,8 +53,10 @@ V8I32, V8F32, V16I32 = ir.VectorType(I32, 8), ir.VectorType(F32, 8), ir.VectorTy
 V32I16 = ir.VectorType(I16, 32)
 ONE = ir.Constant(I32, 1)
 ZMM = TILE_LANES == 16  # 512-bit registers in use: a reader may yield 64-weight chunks (halves)
-# The grid types' entries by permutes of registers (grid_codes) rather than gathers from memory
+# The grid types' entries by permutes of registers (grid_codes) rather than gathers from memory,
+# and IQ2_XXS's and IQ3_XXS's signs a block at a time (_block_aux)
 PERMUTED_GRIDS = ZMM and BYTE_PERMUTES
+BLOCK_SIGNS = PERMUTED_GRIDS and BIT_SHUFFLES
 
 
 def splat(vec_type, value):
@@ -712,6 +714,34 @@ def _ksign_mask(e, lanes):
 KSIGNS_AFFINE = 0x010204081020407F
 
 
+def _block_aux(e, words, shift):
+    """(Signs, 2s + 1 as <16 x i32>) of each 64 weights of an IQ2_XXS / IQ3_XXS block from its 8
+    aux words, one in each lane of `words` (<8 x i64>) from bit `shift` on: 4 x 7 sign bits, the
+    scale s in the word's top 4 bits. The block's 32 sign fields at once (with VBMI and GFNI):
+    one vpmultishiftqb cuts them out, one vgf2p8affineqb writes their parity as bit 7 (ggml's
+    ksigns), one vpermb packs the 32 bytes, the block's 256 sign bits, of which each 64 weights
+    take a quarter (kmovq); where _ksigns_wide took four instructions per 64 weights. The scales
+    likewise: two instructions for the block, one spread per 64 weights. One thread, in cache:
+    IQ2_XXS 4.8-5.0 -> 5.4 GB/s, IQ3_XXS 6.4-6.5 -> 7.3."""
+    b = e.b
+    v8i64 = ir.VectorType(I64, 8)
+    control = ir.Constant(V64I8, [shift + 7 * (k % 4) for k in range(8)] * 8)
+    fields = e.intrinsic("llvm.x86.avx512.pmultishift.qb.512", V64I8, control,
+                         b.bitcast(words, V64I8))  # fmt: skip
+    matrix = b.bitcast(splat(v8i64, KSIGNS_AFFINE), V64I8)
+    signs = e.intrinsic("llvm.x86.vgf2p8affineqb.512", V64I8, fields, matrix, ir.Constant(I8, 0))
+    picks = ir.Constant(ir.VectorType(I32, 32), [8 * (k // 4) + k % 4 for k in range(32)])
+    packed = b.shuffle_vector(signs, signs, picks)
+    quarters = b.bitcast(packed, ir.VectorType(I64, 4))
+    odd = b.trunc(b.or_(b.lshr(words, splat(v8i64, shift + 27)), splat(v8i64, 1)), V8I32)
+    for p in range(4):
+        bits = b.extract_element(quarters, ir.Constant(I32, p))
+        yield (
+            Signs(b.bitcast(bits, ir.VectorType(ir.IntType(1), 64))),
+            e.spread(odd, [2 * p] * 8 + [2 * p + 1] * 8),
+        )
+
+
 def _odd_top(e, aux):
     """<16 x i32>: 2s + 1 of the scales s in bits 28-31 of aux[0] (lanes 0-7, the first chunk)
     and aux[1] (lanes 8-15); aux >> 27 is 2s plus a bit that the | 1 covers."""
@@ -740,15 +770,22 @@ def iq3_xxs(e, blk, c0):
                   for h in (0, 1)]  # fmt: skip
     else:
         table = e.table("iq3xxs_grid", IQ3XXS_GRID.view("<u4").reshape(-1))
+    if BLOCK_SIGNS:
+        aux = b.zext(e.load(blk, 66, V8I32), ir.VectorType(I64, 8))
+        signs_scales = list(_block_aux(e, aux, 0))
     for p in range(4):
         if PERMUTED_GRIDS:
             first = 16 * (p % 2)
             levels = grid_levels(e, IQ3XXS_CODES, halves[p // 2], list(range(first, first + 16)))
         else:
             levels = b.bitcast(e.gather(table, e.words(blk, 2 + 16 * p, I8, 16)), V64I8)
-        aux = e.words(blk, 66 + 8 * p, I32, 2)
-        signs = _ksigns_wide(e, b.zext(aux, ir.VectorType(I64, 2)), [0, 7, 14, 21])
-        yield Chunk(e.chunk_index(c0, 2 * p), levels, signs, _odd_top(e, aux))
+        if BLOCK_SIGNS:
+            signs, odd = signs_scales[p]
+        else:
+            aux = e.words(blk, 66 + 8 * p, I32, 2)
+            signs = _ksigns_wide(e, b.zext(aux, ir.VectorType(I64, 2)), [0, 7, 14, 21])
+            odd = _odd_top(e, aux)
+        yield Chunk(e.chunk_index(c0, 2 * p), levels, signs, odd)
     yield BlockEnd(c0, e.b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.25)))
 
 
@@ -769,6 +806,8 @@ def iq2_xxs(e, blk, c0):
         codes = grid_codes(e, IQ2XXS_CODES, b.bitcast(both, V32I16))
     else:
         table = _iq2_grid_table(e, "iq2xxs_grid", IQ2XXS_GRID)
+    if BLOCK_SIGNS:  # aux j in the high half of the block's qword j
+        signs_scales = list(_block_aux(e, e.load(blk, 2, ir.VectorType(I64, 8)), 32))
     for p in range(4):
         pair = e.load(blk, 2 + 16 * p, V16I8)  # indices 0-3, aux 0, indices 4-7, aux 1
         if PERMUTED_GRIDS:
@@ -776,9 +815,12 @@ def iq2_xxs(e, blk, c0):
         else:
             indices = b.zext(e.spread(pair, [0, 1, 2, 3, 8, 9, 10, 11]), V8I32)
             levels = b.bitcast(e.gather(table, indices, I64), V64I8)
-        signs = _ksigns_wide(e, b.bitcast(pair, ir.VectorType(I64, 2)), [32, 39, 46, 53])
-        aux = e.spread(b.bitcast(pair, V4I32), [1, 3])
-        yield Chunk(e.chunk_index(c0, 2 * p), levels, signs, _odd_top(e, aux))
+        if BLOCK_SIGNS:
+            signs, odd = signs_scales[p]
+        else:
+            signs = _ksigns_wide(e, b.bitcast(pair, ir.VectorType(I64, 2)), [32, 39, 46, 53])
+            odd = _odd_top(e, e.spread(b.bitcast(pair, V4I32), [1, 3]))
+        yield Chunk(e.chunk_index(c0, 2 * p), levels, signs, odd)
     yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
 
 
