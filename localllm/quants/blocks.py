@@ -799,15 +799,16 @@ def iq2_xxs(e, blk, c0):
     w = d * (2s + 1) / 8 * level * sign. Per 64 weights one gather of 8 grid entries of 8
     levels (or grid_codes for the block's 32); as ggml's vec_dot_iq2_xxs_q8_K."""
     b = e.b
-    if PERMUTED_GRIDS:  # the block's 32 indices (bytes 8j .. 8j + 3 at offset 2) as words
+    qs = e.load(blk, 2, V64I8)  # the block after d: qword j = indices of chunk j | aux j << 32
+    if PERMUTED_GRIDS:  # the block's 32 indices (bytes 8j .. 8j + 3) as words
         picks = [k for g in range(32) for k in (8 * (g // 4) + g % 4, 64)]  # 64: a zero byte
-        both = b.shuffle_vector(e.load(blk, 2, V64I8), ir.Constant(V64I8, None),
+        both = b.shuffle_vector(qs, ir.Constant(V64I8, None),
                                 ir.Constant(ir.VectorType(I32, 64), picks))  # fmt: skip
         codes = grid_codes(e, IQ2XXS_CODES, b.bitcast(both, V32I16))
     else:
         table = _iq2_grid_table(e, "iq2xxs_grid", IQ2XXS_GRID)
-    if BLOCK_SIGNS:  # aux j in the high half of the block's qword j
-        signs_scales = list(_block_aux(e, e.load(blk, 2, ir.VectorType(I64, 8)), 32))
+    if BLOCK_SIGNS:
+        signs_scales = list(_block_aux(e, b.bitcast(qs, ir.VectorType(I64, 8)), 32))
     for p in range(4):
         pair = e.load(blk, 2 + 16 * p, V16I8)  # indices 0-3, aux 0, indices 4-7, aux 1
         if PERMUTED_GRIDS:
