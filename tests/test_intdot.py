@@ -142,6 +142,10 @@ HASWELL = (
     "+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fsgsbase,+lzcnt,+mmx,+movbe,+pclmul,"
     "+popcnt,+rdrnd,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,+xsaveopt"
 )
+AVX512_GRID = (
+    ",+avx512f,+avx512bw,+avx512vl,+avx512dq,+avx512cd,+avx512vnni,+avx512vbmi,+avx512vbmi2,"
+    "+avx512bitalg,+avx512vpopcntdq,+gfni"
+)
 TARGETS = {  # instruction set: (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES)
     "avx2": ("haswell", HASWELL),
     "vnni": ("alderlake", HASWELL + ",+avxvnni"),  # AVX-VNNI (VEX), no AVX-512
@@ -151,6 +155,11 @@ TARGETS = {  # instruction set: (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES)
         "cascadelake",
         HASWELL + ",+avx512f,+avx512bw,+avx512vl,+avx512dq,+avx512cd,+avx512vnni",
     ),  # fmt: skip
+    # AVX-512 with VBMI, GFNI and BITALG, the two ways of the grid types' lookups (cpu.SLOW_GATHERS,
+    # by the CPU name): Zen 4's register permutes, Ice Lake's and later Intel's gathers. Whichever
+    # this CPU is, the other way is tested here too.
+    "zen4": ("znver4", HASWELL + AVX512_GRID),
+    "icelake": ("icelake-server", HASWELL + AVX512_GRID),
     None: (
         "nehalem",
         "+64bit,+cmov,+cx16,+mmx,+popcnt,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3",
@@ -203,6 +212,20 @@ def test_other_instruction_sets(instruction_set, tmp_path):
         "-k",
         select,
     )
+
+
+@pytest.mark.slow  # two subprocesses that compile the grid types' kernels afresh
+@pytest.mark.parametrize("target, permuted", [("zen4", True), ("icelake", False)])
+def test_grid_lookups_either_way(target, permuted, tmp_path):
+    """The grid types' kernels with their entries from register permutes (where gathers are
+    slow: AMD Zen) and from gathers (Intel) pass the tests above, whichever way this CPU takes."""
+    code = "from localllm.quants import blocks; print(blocks.PERMUTED_GRIDS, blocks.BLOCK_SIGNS)"
+    assert run_for_target(target, tmp_path, "-c", code).split() == [str(permuted), "True"]
+    tests = str(Path(__file__).parent / "test_intdot.py")
+    select = "(matches_reference and 37 or agree or tiles_equal) and IQ and not IQ4"
+    out = run_for_target(target, tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider", tests,
+                         "-k", select)  # fmt: skip
+    assert "21 passed" in out, out[-2000:]
 
 
 def test_no_simd_falls_back_to_float_kernels(tmp_path):

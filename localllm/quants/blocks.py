@@ -34,7 +34,14 @@ import numpy as np
 from llvmlite import ir
 from numba.core import cgutils
 
-from .cpu import BIT_SHUFFLES, BYTE_PERMUTES, INSTRUCTION_SET, MASK_REGISTERS, TILE_LANES
+from .cpu import (
+    BIT_SHUFFLES,
+    BYTE_PERMUTES,
+    INSTRUCTION_SET,
+    MASK_REGISTERS,
+    SLOW_GATHERS,
+    TILE_LANES,
+)
 from .iquants import (
     IQ1_GRID,
     IQ2S_GRID,
@@ -53,10 +60,11 @@ V8I32, V8F32, V16I32 = ir.VectorType(I32, 8), ir.VectorType(F32, 8), ir.VectorTy
 V32I16 = ir.VectorType(I16, 32)
 ONE = ir.Constant(I32, 1)
 ZMM = TILE_LANES == 16  # 512-bit registers in use: a reader may yield 64-weight chunks (halves)
-# The grid types' entries by permutes of registers (grid_codes) rather than gathers from memory,
-# and IQ2_XXS's and IQ3_XXS's signs a block at a time (_block_aux)
-PERMUTED_GRIDS = ZMM and BYTE_PERMUTES
-BLOCK_SIGNS = PERMUTED_GRIDS and BIT_SHUFFLES
+# The grid types' entries by permutes of registers (grid_codes) rather than gathers from memory
+# where gathers are slow (cpu.SLOW_GATHERS), and IQ2_XXS's and IQ3_XXS's signs a block at a time
+# (_block_aux) wherever the instructions are
+PERMUTED_GRIDS = ZMM and BYTE_PERMUTES and SLOW_GATHERS
+BLOCK_SIGNS = ZMM and BYTE_PERMUTES and BIT_SHUFFLES
 
 
 def splat(vec_type, value):

@@ -4,6 +4,7 @@ this CPU also has (cpuid), never more.
     INSTRUCTION_SET   "vnni" | "avx2" | None   (intdot.py's dot products; None: float kernels)
     TILE_LANES        16 | 8 | 0              (gemm.py's token lanes: zmm, ymm, or no tiles)
     HARDWARE_HALF     bool                    (float <-> IEEE half in one instruction)
+    SLOW_GATHERS      bool                    (grid lookups by permutes: AMD Zen)
 """
 
 from __future__ import annotations
@@ -71,6 +72,15 @@ BIT_SHUFFLES = {"gfni", "avx512bitalg", "avx512bw", "avx512vl"} <= _USABLE
 # AVX-512 VBMI (Ice Lake, Zen 4 and later): vpermb, a byte table lookup that ignores the index
 # bits above the table (blocks._iq4_levels: no mask of the nibbles first)
 BYTE_PERMUTES = {"avx512vbmi", "avx512vl"} <= _USABLE
+
+# Whether the grid types should look their entries up by register permutes (blocks.grid_codes:
+# vpermi2w, vpermw) rather than by gathers: a speed choice, not a correctness one, by the CPU
+# Numba compiles for. AMD's Zen 4 runs a zmm vpermi2w as one uop and gathers about an element a
+# cycle, so the permutes won there (IQ3_XXS/IQ3_S 1.7x in cache); Intel's Sapphire Rapids the
+# reverse (vpermi2w three uops on one port, fast gathers): the permutes lost there
+# (scripts/bench-quant-types, 2 threads, alternating, GB/s with gathers / permutes: IQ3_S 12.0-12.1
+# / 8.8, IQ2_XS 9.7-10.0 / 6.8-7.0, IQ2_XXS 11.0 / 9.5, IQ3_XXS 11.9-12.2 / 11.2-11.6).
+SLOW_GATHERS = (numba_config.CPU_NAME or llvm.get_host_cpu_name()).startswith("znver")
 
 # Half <-> float in one instruction where the CPU has one (x86 F16C: every AVX2 CPU; ARMv8);
 # elsewhere LLVM would call a runtime helper Numba cannot link, so bit-exact integer code.
