@@ -142,24 +142,19 @@ HASWELL = (
     "+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fsgsbase,+lzcnt,+mmx,+movbe,+pclmul,"
     "+popcnt,+rdrnd,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,+xsaveopt"
 )
-AVX512_GRID = (
-    ",+avx512f,+avx512bw,+avx512vl,+avx512dq,+avx512cd,+avx512vnni,+avx512vbmi,+avx512vbmi2,"
-    "+avx512bitalg,+avx512vpopcntdq,+gfni"
-)
+AVX512_VNNI = HASWELL + ",+avx512f,+avx512bw,+avx512vl,+avx512dq,+avx512cd,+avx512vnni"
+AVX512_GRID = AVX512_VNNI + ",+avx512vbmi,+avx512vbmi2,+avx512bitalg,+avx512vpopcntdq,+gfni"
 TARGETS = {  # instruction set: (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES)
     "avx2": ("haswell", HASWELL),
     "vnni": ("alderlake", HASWELL + ",+avxvnni"),  # AVX-VNNI (VEX), no AVX-512
     # AVX-512 VNNI without GFNI and BITALG: 512-bit kernels, the grid types' signs without
     # vpshufbitqmb (blocks._ksigns_wide's other path)
-    "avx512": (
-        "cascadelake",
-        HASWELL + ",+avx512f,+avx512bw,+avx512vl,+avx512dq,+avx512cd,+avx512vnni",
-    ),  # fmt: skip
+    "avx512": ("cascadelake", AVX512_VNNI),
     # AVX-512 with VBMI, GFNI and BITALG, the two ways of the grid types' lookups (cpu.SLOW_GATHERS,
     # by the CPU name): Zen 4's register permutes, Ice Lake's and later Intel's gathers. Whichever
     # this CPU is, the other way is tested here too.
-    "zen4": ("znver4", HASWELL + AVX512_GRID),
-    "icelake": ("icelake-server", HASWELL + AVX512_GRID),
+    "zen4": ("znver4", AVX512_GRID),
+    "icelake": ("icelake-server", AVX512_GRID),
     None: (
         "nehalem",
         "+64bit,+cmov,+cx16,+mmx,+popcnt,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3",
@@ -190,6 +185,11 @@ def run_for_target(instruction_set, tmp_path: Path, *args: str) -> str:
     return result.stdout
 
 
+# The tests above run again in a subprocess compiled for another target: `-k KERNEL_SELECT`.
+KERNEL_TESTS = ("-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k")
+KERNEL_SELECT = "matches_reference and 37 or agree or tiles_equal"
+
+
 @pytest.mark.slow  # two subprocesses that compile every kernel afresh
 @pytest.mark.parametrize("instruction_set", ["avx2", "vnni", "avx512"])
 def test_other_instruction_sets(instruction_set, tmp_path):
@@ -198,20 +198,7 @@ def test_other_instruction_sets(instruction_set, tmp_path):
     code = "from localllm.quants import intdot; print(intdot.INSTRUCTION_SET)"
     expected = "vnni" if instruction_set == "avx512" else instruction_set
     assert run_for_target(instruction_set, tmp_path, "-c", code).strip() == expected
-    tests = str(Path(__file__).parent / "test_intdot.py")
-    select = "matches_reference and 37 or agree or tiles_equal"
-    run_for_target(
-        instruction_set,
-        tmp_path,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        tests,
-        "-k",
-        select,
-    )
+    run_for_target(instruction_set, tmp_path, *KERNEL_TESTS, KERNEL_SELECT)
 
 
 @pytest.mark.slow  # two subprocesses that compile the grid types' kernels afresh
@@ -221,10 +208,8 @@ def test_grid_lookups_either_way(target, permuted, tmp_path):
     slow: AMD Zen) and from gathers (Intel) pass the tests above, whichever way this CPU takes."""
     code = "from localllm.quants import blocks; print(blocks.PERMUTED_GRIDS, blocks.BLOCK_SIGNS)"
     assert run_for_target(target, tmp_path, "-c", code).split() == [str(permuted), "True"]
-    tests = str(Path(__file__).parent / "test_intdot.py")
-    select = "(matches_reference and 37 or agree or tiles_equal) and IQ and not IQ4"
-    out = run_for_target(target, tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider", tests,
-                         "-k", select)  # fmt: skip
+    grid_types = f"({KERNEL_SELECT}) and IQ and not IQ4"
+    out = run_for_target(target, tmp_path, *KERNEL_TESTS, grid_types)
     assert "21 passed" in out, out[-2000:]
 
 
