@@ -66,7 +66,9 @@ class QuantType:
         set_field("matmul", matmul_kernel(self))
         int_matvec = int_matmul = None
         if self.dot_unpacker is not None:
-            int_matvec = intdot.matvec_kernel(self.ggml_type, self.name.lower())
+            int_matvec = intdot.matvec_kernel(
+                self.ggml_type, self.name.lower(), 8 * self.type_size / self.block_size
+            )
             if gemm.AVAILABLE:
                 int_matmul = gemm.gemm_kernel(self.ggml_type, self.name.lower())
         set_field("int_matvec", int_matvec)

@@ -520,7 +520,18 @@ def _rows_typer(type_size, chunks_per_block, read_block, n_rows, n_tokens):
     return rows
 
 
-ROWS = 4  # rows per pass of the matvec kernels
+ROWS = 4  # rows per pass of the matvec kernels over a tile of tokens: they share its loads
+# One token (decode) goes through the rows of a type of ONE_ROW_BITS bits a weight or more a row
+# at a time: a thread's weights are then one stream, front to back, where 4 rows together are 4
+# streams a row apart, which the memory fed more slowly than the kernels lost by loading the
+# activations once per row. Sapphire Rapids VM, 2 threads, alternating runs, decode: the real
+# Qwen2.5-Coder-1.5B Q4_K_M 16.9-17.1 -> 18.6-18.9 tok/s (another hour 18.3-18.5 -> 20.0-20.6),
+# the Llama-3.2-3B shape Q4_K_M 5.7-6.0 -> 7.0-7.2 (the 1.5B with only its Q6_K rows a row at a
+# time: 16.9-17.2). The streamed matvec of 8960x1536 (bench-quant-types), GB/s: Q8_0
+# 19.8-21.9 -> 21.1-26.4, Q6_K 19.3-23.8 -> 25.8-27.2, Q5_K 16.4-17.4 -> 21.4-23.1. Below 4 bits
+# the kernels are compute-bound and the shared loads win: one row at a time, Q3_K 17.4-17.8 ->
+# 15.9-16.0, TQ2_0 20.4-22.8 -> 17.0-18.3, IQ1_S 7.5-8.3 -> 5.8-6.9.
+ONE_ROW_BITS = 4
 
 
 @intrinsic
@@ -635,9 +646,10 @@ def group_at(bounds, g, rows):
     return i, (g - bounds[i]) * rows
 
 
-def matvec_kernel(ggml_type: int, name: str):
+def matvec_kernel(ggml_type: int, name: str, bits_per_weight: float):
     """The integer matvec/matmul for a type whose record names a `dot_unpacker` (see _rows)."""
     source_key = SOURCE_KEY
+    one_token_rows = 1 if bits_per_weight >= ONE_ROW_BITS else ROWS
 
     def matvec(ws, xq, xd, xs, xl, xb, outs):
         """outs[i] = x @ ws[i].T for a tuple of weights of this type that share the input
@@ -659,8 +671,9 @@ def matvec_kernel(ggml_type: int, name: str):
                     _rows(ggml_type, ROWS, WIDE_TILE, w, r0, t0, xq, xd, xs, xl, xb, out)
                 for t0 in range(tiled4, tiled, TILE_TOKENS):
                     _rows(ggml_type, ROWS, TILE_TOKENS, w, r0, t0, xq, xd, xs, xl, xb, out)
-                for t in range(tiled, b1):
-                    _rows(ggml_type, ROWS, 1, w, r0, t, xq, xd, xs, xl, xb, out)
+                for t in range(tiled, b1):  # a token alone (decode), see ONE_ROW_BITS
+                    for r in range(r0, min(r0 + ROWS, w.shape[0]), one_token_rows):
+                        _rows(ggml_type, one_token_rows, 1, w, r, t, xq, xd, xs, xl, xb, out)
 
     matvec.__qualname__ = f"matvec_{name}"
     return njit(parallel=True, cache=True)(matvec)
