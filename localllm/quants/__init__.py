@@ -51,6 +51,7 @@ class QuantType:
     matvec: Callable  # (w: uint8[n_rows, row_bytes], x: float32[n_cols], out: float32[n_rows])
     dot_unpacker: Callable | None = None  # its block reader (blocks.py), None: float kernels only
     cuda: bool = False  # cuda/kernels.dequantize_chunk has this type
+    one_row: bool = False  # a token alone reads the rows one at a time (intdot.ONE_ROW)
     # made from the fields above by the factories:
     dequantize: Callable = field(init=False)  # (raw: uint8[n_rows, row_bytes]) -> float32[..]
     matmul: Callable = field(init=False)  # (w, x: float32[n_tokens, n_cols], out: float32[..])
@@ -66,9 +67,7 @@ class QuantType:
         set_field("matmul", matmul_kernel(self))
         int_matvec = int_matmul = None
         if self.dot_unpacker is not None:
-            int_matvec = intdot.matvec_kernel(
-                self.ggml_type, self.name.lower(), 8 * self.type_size / self.block_size
-            )
+            int_matvec = intdot.matvec_kernel(self.ggml_type, self.name.lower(), self.one_row)
             if gemm.AVAILABLE:
                 int_matmul = gemm.gemm_kernel(self.ggml_type, self.name.lower())
         set_field("int_matvec", int_matvec)
@@ -76,12 +75,12 @@ class QuantType:
 
 
 def _record(ggml_type, name, block_size, type_size, vec_dot_type, module, unpacker=None,
-            cuda=True):  # fmt: skip
+            cuda=True, one_row=False):  # fmt: skip
     suffix = name.lower()
     return QuantType(
         ggml_type, name, block_size, type_size, vec_dot_type,
         getattr(module, f"dequantize_row_{suffix}"), getattr(module, f"matvec_{suffix}"),
-        unpacker, cuda,
+        unpacker, cuda, one_row,
     )  # fmt: skip
 
 
@@ -94,14 +93,14 @@ QUANT_TYPES: dict[int, QuantType] = {
         _record(30, "BF16", 1, 2, BF16, fp),
         _record(2, "Q4_0", 32, 18, Q8_0, legacy, blocks.q4_0),
         _record(3, "Q4_1", 32, 20, Q8_1, legacy, blocks.q4_1),
-        _record(6, "Q5_0", 32, 22, Q8_0, legacy, blocks.q5_0),
+        _record(6, "Q5_0", 32, 22, Q8_0, legacy, blocks.q5_0, one_row=True),
         _record(7, "Q5_1", 32, 24, Q8_1, legacy, blocks.q5_1),
-        _record(8, "Q8_0", 32, 34, Q8_0, legacy, blocks.q8_0),
+        _record(8, "Q8_0", 32, 34, Q8_0, legacy, blocks.q8_0, one_row=True),
         _record(10, "Q2_K", 256, 84, Q8_K, kquants, blocks.q2_k),
         _record(11, "Q3_K", 256, 110, Q8_K, kquants, blocks.q3_k),
-        _record(12, "Q4_K", 256, 144, Q8_K, kquants, blocks.q4_k),
-        _record(13, "Q5_K", 256, 176, Q8_K, kquants, blocks.q5_k),
-        _record(14, "Q6_K", 256, 210, Q8_K, kquants, blocks.q6_k),
+        _record(12, "Q4_K", 256, 144, Q8_K, kquants, blocks.q4_k, one_row=True),
+        _record(13, "Q5_K", 256, 176, Q8_K, kquants, blocks.q5_k, one_row=True),
+        _record(14, "Q6_K", 256, 210, Q8_K, kquants, blocks.q6_k, one_row=True),
         _record(20, "IQ4_NL", 32, 18, Q8_0, iquants, blocks.iq4_nl),
         _record(16, "IQ2_XXS", 256, 66, Q8_K, iquants, blocks.iq2_xxs),
         _record(17, "IQ2_XS", 256, 74, Q8_K, iquants, blocks.iq2_xs),
@@ -109,7 +108,7 @@ QUANT_TYPES: dict[int, QuantType] = {
         _record(19, "IQ1_S", 256, 50, Q8_K, iquants, blocks.iq1_s),
         _record(21, "IQ3_S", 256, 110, Q8_K, iquants, blocks.iq3_s),
         _record(22, "IQ2_S", 256, 82, Q8_K, iquants, blocks.iq2_s),
-        _record(23, "IQ4_XS", 256, 136, Q8_K, iquants, blocks.iq4_xs),
+        _record(23, "IQ4_XS", 256, 136, Q8_K, iquants, blocks.iq4_xs, one_row=True),
         _record(29, "IQ1_M", 256, 56, Q8_K, iquants, blocks.iq1_m),
         _record(34, "TQ1_0", 256, 54, Q8_K, ternary, blocks.tq1_0),
         _record(35, "TQ2_0", 256, 66, Q8_K, ternary, blocks.tq2_0),
