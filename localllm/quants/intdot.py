@@ -12,8 +12,9 @@ the GGUF blocks exactly as they sit in the memory map: no repacking, no copy.
     qt.int_matvec((w,), *xq, (out,))              # w: uint8[n_rows, row_bytes], out: [1, n_rows]
 
 The dot products are LLVM IR written with llvmlite and called from Numba as an intrinsic
-(`_rows`), four weight rows at a time so that they share the activation loads, with a software
-prefetch ahead of the weight stream. One 32-weight chunk (blocks.py's Chunk) at a time:
+(`_rows`), four weight rows at a time so that they share the activation loads (a token alone of
+the types whose record says one_row: a row at a time, see ONE_ROW), with a software prefetch
+ahead of the weight stream. One 32-weight chunk (blocks.py's Chunk) at a time:
 
     u      <32 x u8>   the weight's levels (nibbles, plus high bits, or grid entries)
     x      <32 x i8>   the activation quants of the same 32 columns
