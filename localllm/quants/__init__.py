@@ -51,7 +51,7 @@ class QuantType:
     matvec: Callable  # (w: uint8[n_rows, row_bytes], x: float32[n_cols], out: float32[n_rows])
     dot_unpacker: Callable | None = None  # its block reader (blocks.py), None: float kernels only
     cuda: bool = False  # cuda/kernels.dequantize_chunk has this type
-    one_row: bool = False  # a token alone reads the rows one at a time (intdot.ONE_ROW)
+    one_row: bool = False  # a token alone reads the rows one at a time (intdot.matvec_kernel)
     # made from the fields above by the factories:
     dequantize: Callable = field(init=False)  # (raw: uint8[n_rows, row_bytes]) -> float32[..]
     matmul: Callable = field(init=False)  # (w, x: float32[n_tokens, n_cols], out: float32[..])

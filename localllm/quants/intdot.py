@@ -13,8 +13,8 @@ the GGUF blocks exactly as they sit in the memory map: no repacking, no copy.
 
 The dot products are LLVM IR written with llvmlite and called from Numba as an intrinsic
 (`_rows`), four weight rows at a time so that they share the activation loads (a token alone of
-the types whose record says one_row: a row at a time, see ONE_ROW), with a software prefetch
-ahead of the weight stream. One 32-weight chunk (blocks.py's Chunk) at a time:
+the types whose record says one_row: a row at a time, see matvec_kernel), with a software
+prefetch ahead of the weight stream. One 32-weight chunk (blocks.py's Chunk) at a time:
 
     u      <32 x u8>   the weight's levels (nibbles, plus high bits, or grid entries)
     x      <32 x i8>   the activation quants of the same 32 columns
@@ -522,20 +522,6 @@ def _rows_typer(type_size, chunks_per_block, read_block, n_rows, n_tokens):
 
 
 ROWS = 4  # rows per pass of the matvec kernels over a tile of tokens: they share its loads
-# ONE_ROW: a token alone (decode) goes through the rows of the types whose record says one_row a
-# row at a time, so that a thread's weights are one stream, front to back, where 4 rows together
-# are 4 streams a row apart, which the memory fed more slowly than the kernels lost by loading
-# the activations once per row. Sapphire Rapids VM, 2 threads, alternating runs, decode: the real
-# Qwen2.5-Coder-1.5B Q4_K_M 16.9-17.1 -> 18.6-18.9 tok/s (another hour 18.3-18.5 -> 20.0-20.6),
-# the Llama-3.2-3B shape Q4_K_M 5.7-6.0 -> 7.0-7.2. The streamed matvec of 8960x1536
-# (bench-quant-types --rounds 5, 3 runs each), GB/s: Q4_K 17.9-18.8 -> 20.7-21.0, IQ4_XS 19.2 ->
-# 20.9-21.5, Q5_K 17.3-17.7 -> 19.7-21.2, Q6_K 21.0-22.0 -> 25.5-26.4, Q8_0 20.2-21.3 -> 24.5,
-# Q5_0 16.8-17.2 -> 19.8-19.9. The others stay at 4 rows: one at a time, the compute-bound types
-# below 4 bits lost 10-25% (Q3_K 17.4-17.8 -> 15.9-16.0, TQ2_0 20.4-22.8 -> 17.0-18.3, IQ1_S
-# 7.5-8.3 -> 5.8-6.9), and so did the 32-weight types of 20 bytes or fewer per float step, whose
-# one accumulator chain (an FMA a block, bit for bit the tiles' order) then binds: Q4_0 17.2-17.4
-# -> 16.2-16.5, IQ4_NL 17.7-18.1 -> 16.8-17.2, Q4_1 16.6-19.0 -> 15.2, Q5_1 17.1-17.9 -> 16.2-16.8.
-ONE_ROW = 1
 
 
 @intrinsic
@@ -650,11 +636,24 @@ def group_at(bounds, g, rows):
     return i, (g - bounds[i]) * rows
 
 
+# A token alone (decode) goes through the rows of the types whose record says one_row a row at a
+# time, so that a thread's weights are one stream, front to back, where 4 rows together are 4
+# streams a row apart, which the memory fed more slowly than the kernels lost by loading the
+# activations once per row. Sapphire Rapids VM, 2 threads, alternating runs, decode: the real
+# Qwen2.5-Coder-1.5B Q4_K_M 16.9-17.1 -> 18.6-18.9 tok/s (another hour 18.3-18.5 -> 20.0-20.6),
+# the Llama-3.2-3B shape Q4_K_M 5.7-6.0 -> 7.0-7.2. The streamed matvec of 8960x1536
+# (bench-quant-types --rounds 5, 3 runs each), GB/s: Q4_K 17.9-18.8 -> 20.7-21.0, IQ4_XS 19.2 ->
+# 20.9-21.5, Q5_K 17.3-17.7 -> 19.7-21.2, Q6_K 21.0-22.0 -> 25.5-26.4, Q8_0 20.2-21.3 -> 24.5,
+# Q5_0 16.8-17.2 -> 19.8-19.9. The others stay at 4 rows: one at a time, the compute-bound types
+# below 4 bits lost 10-25% (Q3_K 17.4-17.8 -> 15.9-16.0, TQ2_0 20.4-22.8 -> 17.0-18.3, IQ1_S
+# 7.5-8.3 -> 5.8-6.9), and so did the 32-weight types of 20 bytes or fewer per float step, whose
+# one accumulator chain (an FMA a block, bit for bit the tiles' order) then binds: Q4_0 17.2-17.4
+# -> 16.2-16.5, IQ4_NL 17.7-18.1 -> 16.8-17.2, Q4_1 16.6-19.0 -> 15.2, Q5_1 17.1-17.9 -> 16.2-16.8.
 def matvec_kernel(ggml_type: int, name: str, one_row: bool):
     """The integer matvec/matmul for a type whose record names a `dot_unpacker` (see _rows);
-    one_row: a token alone goes a row at a time (ONE_ROW)."""
+    one_row: a token alone goes a row at a time (above)."""
     source_key = SOURCE_KEY
-    one_token_rows = ONE_ROW if one_row else ROWS
+    one_token_rows = 1 if one_row else ROWS
 
     def matvec(ws, xq, xd, xs, xl, xb, outs):
         """outs[i] = x @ ws[i].T for a tuple of weights of this type that share the input
@@ -676,7 +675,7 @@ def matvec_kernel(ggml_type: int, name: str, one_row: bool):
                     _rows(ggml_type, ROWS, WIDE_TILE, w, r0, t0, xq, xd, xs, xl, xb, out)
                 for t0 in range(tiled4, tiled, TILE_TOKENS):
                     _rows(ggml_type, ROWS, TILE_TOKENS, w, r0, t0, xq, xd, xs, xl, xb, out)
-                for t in range(tiled, b1):  # a token alone (decode), see ONE_ROW
+                for t in range(tiled, b1):  # a token alone (decode): one_row
                     for r in range(r0, min(r0 + ROWS, w.shape[0]), one_token_rows):
                         _rows(ggml_type, one_token_rows, 1, w, r, t, xq, xd, xs, xl, xb, out)
 
