@@ -951,12 +951,13 @@ def tq2_0(e, blk, c0):
 
 def _trits(e, v, powers):
     """Trit 3^k of each byte of v (<n x i8>; `powers`: 3^k per byte): ((v * 3^k mod 256) * 3)
-    >> 8, 0..2 (see ternary.py), in place in the bytes' 16-bit words: a byte moved to its word's
-    high half times 3^k is (v * 3^k mod 256) << 8 (vpmullw, whose constant LLVM shifts for the
-    even bytes), and the high half of that times 3 the trit in the low byte (vpmulhuw); of the
-    odd bytes times 3 << 8, the trit in the high byte and garbage below (vpternlogq masks and
-    merges). ggml widens the bytes to words and packs them back (vpmovzxbw, vpmovwb: two uops a
-    zmm on one port): in cache, 2 threads, TQ1_0 8.2 -> 16.4 GB/s."""
+    >> 8, 0..2 (see ternary.py), in place in the bytes' 16-bit words. A byte moved to its word's
+    high half (a shift for the even bytes, which LLVM folds into the multiply; a mask for the odd)
+    times 3^k is (v * 3^k mod 256) << 8 (vpmullw); the high half of that times 3 is the trit, in
+    the low byte (vpmulhuw), and times 3 << 8 the trit in the high byte above garbage, which one
+    vpternlogq masks while it merges the two. ggml widens the bytes to words and packs them back
+    (vpmovzxbw, vpmovwb: two uops a zmm on one port); in cache, 2 threads, TQ1_0 8.2 -> 16.4
+    GB/s (Sapphire Rapids)."""
     b = e.b
     n = v.type.count
     words = ir.VectorType(I16, n // 2)

@@ -22,7 +22,8 @@ prefetch ahead of the weight stream. One 32-weight chunk (blocks.py's Chunk) at 
     iacc   <8 x i32>   += isum * scale, to the block's end
 
 An offset o (w = u - o) is subtracted through `init = -o * xl`, the activations' sums of 4
-computed once per token. At the block's end the lanes are added into the block's exact integer
+computed once per token (for several rows' unscaled chunks, once for all rows at the block's
+end: see accumulate). At the block's end the lanes are added into the block's exact integer
 sum S, and the float steps of blocks.py follow, one accumulator per row and token (the rows'
 in one vector, each lane the arithmetic gemm.py's tiles do per lane), so a token's result does
 not depend on the kernel or the tile it is in. The sums go by transposing adds (vphaddd): a
