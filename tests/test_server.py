@@ -487,8 +487,16 @@ def test_engine_interleaves_and_cancels():
                 log.append((name, i))
                 yield i
 
-        gate = threading.Event()
-        engine.call(gate.wait)  # hold the engine until all are queued
+        gate, held = threading.Event(), threading.Event()
+
+        def hold():
+            held.set()
+            gate.wait()
+
+        # Hold the engine until all are queued, and queue them only once it holds: had its first
+        # pass looked for sequences after a was queued but before b, a would run a step alone.
+        engine.call(hold)
+        assert held.wait(10)
         a = Generation(engine, lambda: steps("a", 3))
         b = Generation(engine, lambda: steps("b", 3))
         c = Generation(engine, lambda: steps("c", 1000))  # waits: parallel is 2
