@@ -272,14 +272,12 @@ class _Emitter(BlockReader):
         b.store(ir.Constant(V8I32, None), self.iacc[row])
         scaled, self.scaled[row] = self.scaled[row], []
         offsets, self.offsets[row] = self.offsets[row], []
-        totals = {}  # summed apart from the row's own sums: the same for every row
+        totals = {}  # by lane count, summed apart from the row's own sums: the same for every row
         for init in offsets:
             n = init.type.count
             totals[n] = b.add(totals[n], init) if n in totals else init
-        for total in totals.values():
-            if total.type.count == 16:
-                total = b.add(*(self.spread(total, list(range(h, h + 8))) for h in (0, 8)))
-            lanes = b.add(lanes, total)
+        if 8 in totals:
+            lanes = b.add(lanes, totals[8])
         if len(scaled) == 8:  # lane k: chunk k's sum (a transposing add), times its scale
             sums = sums_of_8(self, [isum for isum, _ in scaled])
             lanes = b.add(lanes, b.mul(sums, self.vector_of(scale for _, scale in scaled)))
@@ -290,6 +288,8 @@ class _Emitter(BlockReader):
             assert self.held[row] is None, "a paired type's blocks hold an even number of chunks"
             wide = b.load(self.iacc16[row])
             b.store(ir.Constant(_V16I32, None), self.iacc16[row])
+            if 16 in totals:  # 64-weight chunks' (TQ1_0): folded with the 16-lane sums below
+                wide = b.add(wide, totals[16])
             parts = [self.spread(wide, list(range(h, h + 8))) for h in (0, 8)]
             lanes = b.add(lanes, b.add(*parts))
         self.pending[row].append((lanes, end))
