@@ -654,20 +654,23 @@ def iq3_s(e, blk, c0):
             halves.append(grid_codes(e, IQ3S_CODES, indices))
     else:
         table = e.table("iq3s_grid", IQ3S_GRID.view("<u4").reshape(-1))
+    odds = _nibble_odds(e, blk, 106, 8)
     for p in range(4):
         if PERMUTED_GRIDS:
             first = 16 * (p % 2)
             levels = grid_levels(e, IQ3S_CODES, halves[p // 2], list(range(first, first + 16)))
         else:
             low = e.words(blk, 2 + 16 * p, I8, 16)
-            qh = e.spread(e.words(blk, 66 + 2 * p, I16, 1), [0] * 16)
-            high = b.and_(b.lshr(qh, ir.Constant(V16I32, list(range(16)))), splat(V16I32, 1))
-            levels = e.gather(table, b.or_(low, b.shl(high, splat(V16I32, 8))))
-            levels = b.bitcast(levels, V64I8)
+            if MASK_REGISTERS:  # index bit 8 by a mask of qh's 16 bits (kmovw), a masked or
+                high = b.bitcast(e.load(blk, 66 + 2 * p, I16), ir.VectorType(ir.IntType(1), 16))
+                high = b.select(high, splat(V16I32, 256), ir.Constant(V16I32, None))
+            else:
+                qh = e.spread(e.words(blk, 66 + 2 * p, I16, 1), [0] * 16)
+                high = b.and_(b.lshr(qh, ir.Constant(V16I32, list(range(16)))), splat(V16I32, 1))
+                high = b.shl(high, splat(V16I32, 8))
+            levels = b.bitcast(e.gather(table, b.or_(low, high)), V64I8)
         signs = Signs(e.sign_bits(e.load(blk, 74 + 8 * p, V8I8)))
-        nibbles = b.lshr(e.spread(e.words(blk, 106 + p, I8, 1), [0] * 16),
-                         ir.Constant(V16I32, [0] * 8 + [4] * 8))  # fmt: skip
-        odd = b.or_(b.shl(b.and_(nibbles, splat(V16I32, 15)), splat(V16I32, 1)), splat(V16I32, 1))
+        odd = e.spread(odds, [2 * p] * 8 + [2 * p + 1] * 8)
         yield Chunk(e.chunk_index(c0, 2 * p), levels, signs, odd)
     yield BlockEnd(c0, e.f16(blk, 0))
 
@@ -727,8 +730,8 @@ def _block_aux(e, words, shift):
     aux words, one in each lane of `words` (<8 x i64>) from bit `shift` on: 4 x 7 sign bits, the
     scale s in the word's top 4 bits. The block's 32 sign fields at once (with VBMI and GFNI):
     one vpmultishiftqb cuts them out, one vgf2p8affineqb writes their parity as bit 7 (ggml's
-    ksigns), one vpermb packs the 32 bytes, the block's 256 sign bits, of which each 64 weights
-    take a quarter (kmovq); where _ksigns_wide took four instructions per 64 weights. The scales
+    ksigns), and _sign_masks makes each 64 weights' mask from those bytes; where _ksigns_wide
+    took four instructions per 64 weights. The scales
     likewise: two instructions for the block, one spread per 64 weights. One thread, in cache:
     IQ2_XXS 4.8-5.0 -> 5.4 GB/s, IQ3_XXS 6.4-6.5 -> 7.3."""
     b = e.b
@@ -738,16 +741,40 @@ def _block_aux(e, words, shift):
                          b.bitcast(words, V64I8))  # fmt: skip
     matrix = b.bitcast(splat(v8i64, KSIGNS_AFFINE), V64I8)
     signs = e.intrinsic("llvm.x86.vgf2p8affineqb.512", V64I8, fields, matrix, ir.Constant(I8, 0))
-    picks = ir.Constant(ir.VectorType(I32, 32), [8 * (k // 4) + k % 4 for k in range(32)])
-    packed = b.shuffle_vector(signs, signs, picks)
-    quarters = b.bitcast(packed, ir.VectorType(I64, 4))
+    # byte k of qword j: the signs of entry k (< 4) of word j
+    masks = _sign_masks(e, signs, lambda p, g: 8 * (2 * p + g // 4) + g % 4)
     odd = b.trunc(b.or_(b.lshr(words, splat(v8i64, shift + 27)), splat(v8i64, 1)), V8I32)
     for p in range(4):
-        bits = b.extract_element(quarters, ir.Constant(I32, p))
-        yield (
-            Signs(b.bitcast(bits, ir.VectorType(ir.IntType(1), 64))),
-            e.spread(odd, [2 * p] * 8 + [2 * p + 1] * 8),
-        )
+        yield masks[p], e.spread(odd, [2 * p] * 8 + [2 * p + 1] * 8)
+
+
+def _sign_masks(e, signs, byte_of):
+    """The Signs of a block's 4 x 64 weights from the bytes of `signs` (<64 x i8>) whose bits are
+    the signs of 8 weights each, byte_of(p, g) that of the g-th 8 of the p-th 64: transposed by
+    one vpermb (byte p of qword g that byte), each 64's mask is one vpshufbitqmb that picks
+    bits 8p .. 8p + 7 of every qword. Moving 64 bits from a vector to a mask register otherwise
+    takes an extract to a general register and a kmovq, both on port 5 on Intel (one thread,
+    in cache, Sapphire Rapids: IQ3_XXS 5.5 -> 6.2 GB/s)."""
+    picks = [byte_of(p % 4, g) for g in range(8) for p in range(8)]
+    by_chunk = e.b.shuffle_vector(signs, signs, ir.Constant(ir.VectorType(I32, 64), picks))
+    mask = ir.VectorType(ir.IntType(1), 64)
+    return [
+        Signs(e.intrinsic("llvm.x86.avx512.vpshufbitqmb.512", mask, by_chunk,
+                          ir.Constant(V64I8, [8 * p + k % 8 for k in range(64)])))
+        for p in range(4)
+    ]  # fmt: skip
+
+
+def _nibble_odds(e, blk, offset, n):
+    """<n x i32> (n = 8 or 16): 2s + 1 of the n nibbles s of the n / 2 bytes at blk + offset
+    (nibble m: byte m // 2, low half first), each chunk's scales a spread of these: a block's
+    scales made once, not once a chunk."""
+    b = e.b
+    words = e.words(blk, offset, I32, n // 8) if n == 16 else e.load(blk, offset, I32)
+    lanes = e.spread(words, [m // 8 for m in range(n)])
+    nibbles = b.lshr(lanes, ir.Constant(ir.VectorType(I32, n), [4 * (m % 8) for m in range(n)]))
+    vec = ir.VectorType(I32, n)
+    return b.or_(b.shl(b.and_(nibbles, splat(vec, 15)), splat(vec, 1)), splat(vec, 1))
 
 
 def _odd_top(e, aux):
@@ -756,15 +783,6 @@ def _odd_top(e, aux):
     b = e.b
     top = b.lshr(e.spread(aux, [0] * 8 + [1] * 8), splat(V16I32, 27))
     return b.or_(top, splat(V16I32, 1))
-
-
-def _odd_quarters(e, blk, offset):
-    """<16 x i32>: 2s + 1 of the 4 nibbles s of the u16 at blk + offset, the scales of 4 x 16
-    weights (lanes 0-3, 4-7, 8-11, 12-15)."""
-    b = e.b
-    nibbles = b.lshr(e.spread(e.words(blk, offset, I16, 1), [0] * 16),
-                     ir.Constant(V16I32, [4 * (k // 4) for k in range(16)]))  # fmt: skip
-    return b.or_(b.shl(b.and_(nibbles, splat(V16I32, 15)), splat(V16I32, 1)), splat(V16I32, 1))
 
 
 @layout(sub_cols=32, narrow=True)
@@ -838,19 +856,32 @@ def iq2_xs(e, blk, c0):
     """d f16 | qs u16[32] (9-bit grid index | 7 sign bits << 9, per 8 weights) | scales[8] (4
     bits per 16 weights): w = d * (2s + 1) / 8 * level * sign."""
     b = e.b
+    qs = e.load(blk, 2, V32I16)
+    indices = b.and_(qs, splat(V32I16, 511))
     if PERMUTED_GRIDS:
-        indices = b.and_(e.load(blk, 2, V32I16), splat(V32I16, 511))
         codes = grid_codes(e, IQ2XS_CODES, indices)
     else:
         table = _iq2_grid_table(e, "iq2xs_grid", IQ2XS_GRID)
+    if BLOCK_SIGNS:  # the 32 sign fields' bytes (each word >> 9) with their parity as bit 7
+        matrix = b.bitcast(splat(ir.VectorType(I64, 8), KSIGNS_AFFINE), V64I8)
+        fields = b.bitcast(b.lshr(qs, splat(V32I16, 9)), V64I8)
+        signs = e.intrinsic("llvm.x86.vgf2p8affineqb.512", V64I8, fields, matrix,
+                            ir.Constant(I8, 0))  # fmt: skip
+        masks = _sign_masks(e, signs, lambda p, g: 2 * (8 * p + g))
+    odds = _nibble_odds(e, blk, 66, 16)
     for p in range(4):
         if PERMUTED_GRIDS:
             levels = grid_levels(e, IQ2XS_CODES, codes, list(range(8 * p, 8 * p + 8)))
         else:
             q = e.words(blk, 2 + 16 * p, I16, 8)
             levels = b.bitcast(e.gather(table, b.and_(q, splat(V8I32, 511)), I64), V64I8)
-        signs = _ksigns_wide(e, e.load(blk, 2 + 16 * p, ir.VectorType(I64, 2)), [9, 25, 41, 57])
-        yield Chunk(e.chunk_index(c0, 2 * p), levels, signs, _odd_quarters(e, blk, 66 + 2 * p))
+        if BLOCK_SIGNS:
+            signs = masks[p]
+        else:
+            words = e.load(blk, 2 + 16 * p, ir.VectorType(I64, 2))
+            signs = _ksigns_wide(e, words, [9, 25, 41, 57])
+        odd = e.spread(odds, [4 * p + k // 4 for k in range(16)])
+        yield Chunk(e.chunk_index(c0, 2 * p), levels, signs, odd)
     yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
 
 
@@ -862,13 +893,14 @@ def iq2_s(e, blk, c0):
     b = e.b
     table = _iq2_grid_table(e, "iq2s_grid", IQ2S_GRID)  # 1024 entries: grid_codes was no
     # faster here (16 permutes and 15 blends per 32 entries; in cache 4.5 -> 3.7-4.4 GB/s)
+    odds = _nibble_odds(e, blk, 74, 16)
     for p in range(4):
         low = e.words(blk, 2 + 8 * p, I8, 8)
         qh = e.spread(e.words(blk, 66 + 2 * p, I16, 1), [0] * 8)
         high = b.and_(b.lshr(qh, ir.Constant(V8I32, list(range(0, 16, 2)))), splat(V8I32, 3))
         levels = e.gather(table, b.or_(low, b.shl(high, splat(V8I32, 8))), I64)
         signs = Signs(e.sign_bits(e.load(blk, 34 + 8 * p, V8I8)))
-        odd = _odd_quarters(e, blk, 74 + 2 * p)
+        odd = e.spread(odds, [4 * p + k // 4 for k in range(16)])
         yield Chunk(e.chunk_index(c0, 2 * p), b.bitcast(levels, V64I8), signs, odd)
     yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
 
@@ -880,61 +912,59 @@ def _iq1_table(e):
     return e.table("iq1_grid", levels.view("<u8").reshape(-1), I64)
 
 
-def _u16_field(e, word, shift, mask):
-    """<16 x i32>: (u16 >> shift) & mask of the low u16 of `word` (<16 x i32>, a broadcast i32)
-    in lanes 0-7 (a chunk's), of its high u16 in lanes 8-15 (the next chunk's)."""
-    shifts = ir.Constant(V16I32, [shift] * 8 + [shift + 16] * 8)
-    return e.b.and_(e.b.lshr(word, shifts), splat(V16I32, mask))
-
-
-@layout(sub_cols=32, narrow=True)
+@layout(sub_cols=32, min_cols=32, narrow=True)
 def iq1_s(e, blk, c0):
     """d f16 | qs[32] | qh u16[8] (4 x 3 high index bits, scale s, the delta's sign): w = d *
-    (2s + 1) * (level +- 1/8), here d / 8 * (2s + 1) * (8 * (level + 1) - (7 or 9))."""
+    (2s + 1) * (level +- 1/8), here d / 8 * (2s + 1) * (8 * (level + 1) - (7 or 9)). The
+    offsets 7 or 9 as the k-quants' minimums: (2s + 1) * (7 or 9) per 32 weights times their
+    activations' sum, in the block's float steps (ggml sums the delta's term apart too), where an
+    offset a chunk cost three instructions a row (its spread, negation and vpmaddwd)."""
     b = e.b
     table = _iq1_table(e)
+    qh8 = e.words(blk, 34, I16, 8)  # each 32 weights' delta sign (bit 15) and scale (12-14)
+    offsets = b.add(b.and_(b.lshr(qh8, splat(V8I32, 14)), splat(V8I32, 2)), splat(V8I32, 7))
+    odds = b.or_(b.and_(b.lshr(qh8, splat(V8I32, 11)), splat(V8I32, 14)), splat(V8I32, 1))
     for p in range(4):
         qh = e.load(blk, 34 + 4 * p, I32)  # the two chunks' u16 in one word
         high = b.lshr(e.spread(qh, [0] * 8), ir.Constant(V8I32, [0, 3, 6, 9, 16, 19, 22, 25]))
         indices = b.or_(e.words(blk, 2 + 8 * p, I8, 8),
                         b.shl(b.and_(high, splat(V8I32, 7)), splat(V8I32, 8)))  # fmt: skip
         levels = b.bitcast(e.gather(table, indices, I64), V64I8)
-        per_lane = e.spread(qh, [0] * 16)
-        offsets = b.add(_u16_field(e, per_lane, 14, 2), splat(V16I32, 7))  # 7, or 9: sign bit
-        odd = b.or_(_u16_field(e, per_lane, 11, 14), splat(V16I32, 1))  # 2s + 1
-        yield Chunk(e.chunk_index(c0, 2 * p), levels, offsets, odd)
-    yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
+        odd = e.spread(odds, [2 * p] * 8 + [2 * p + 1] * 8)
+        yield Chunk(e.chunk_index(c0, 2 * p), levels, 0, odd)
+    d = b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125))
+    yield BlockEnd(c0, d, b.mul(odds, offsets), b.fneg(d))  # offset 7, or 9: delta negative
 
 
-@layout(sub_cols=16, narrow=True)
+@layout(sub_cols=16, min_cols=16, narrow=True)
 def iq1_m(e, blk, c0):
     """qs[32] | qh[16] (per 8 weights a nibble: 3 high index bits, the delta's sign) | scales
-    u16[4] (3-bit scales per 16 weights, the f16 d in the top nibbles): as IQ1_S, with an offset
-    per 8 weights (per pair of lanes) and a scale per 16 (per 4 lanes)."""
+    u16[4] (3-bit scales per 16 weights, the f16 d in the top nibbles): as IQ1_S, with the
+    delta per 8 weights. The nibble's 4 bits above the index byte select an entry of a grid of
+    4096: the 2048 levels 8 * (level + 1) + 2 (delta +1/8), then the same + 0 (-1/8), so that
+    every weight is u - 9, the offset 9 a minimum per 16 weights (9 * (2s + 1)) as IQ1_S's;
+    where a chunk's deltas and scales took ten instructions a row."""
     b = e.b
-    table = _iq1_table(e)
-    sc = [b.zext(e.load(blk, 48 + 2 * i, I16), I32) for i in range(4)]
-    top = ir.Constant(I32, 0xF000)
-    bits = b.or_(
-        b.or_(b.lshr(b.and_(sc[0], top), ir.Constant(I32, 12)),
-              b.lshr(b.and_(sc[1], top), ir.Constant(I32, 8))),
-        b.or_(b.lshr(b.and_(sc[2], top), ir.Constant(I32, 4)), b.and_(sc[3], top)),
-    )  # fmt: skip
+    levels = ((IQ1_GRID.astype(np.int16) + 1) * 8).astype(np.uint8)
+    both = np.concatenate([levels + 2, levels])
+    table = e.table("iq1m_grid", both.view("<u8").reshape(-1), I64)
+    sc = e.words(blk, 48, I16, 4)
+    top = b.and_(sc, splat(V4I32, 0xF000))
+    bits = b.lshr(top, ir.Constant(V4I32, [12, 8, 4, 0]))
+    bits = e.intrinsic("llvm.vector.reduce.or.v4i32", I32, bits)  # d's 4 nibbles in place
     d = b.fpext(b.bitcast(b.trunc(bits, I16), ir.HalfType()), F32)
+    scales = b.lshr(e.spread(sc, [j // 4 for j in range(16)]),
+                    ir.Constant(V16I32, [3 * (j % 4) for j in range(16)]))  # fmt: skip
+    odds = b.or_(b.shl(b.and_(scales, splat(V16I32, 7)), splat(V16I32, 1)), splat(V16I32, 1))
     for p in range(4):
         qh = e.spread(e.load(blk, 32 + 4 * p, I32), [0] * 8)
         nibbles = b.and_(b.lshr(qh, ir.Constant(V8I32, list(range(0, 32, 4)))), splat(V8I32, 15))
-        indices = b.or_(e.words(blk, 8 * p, I8, 8),
-                        b.shl(b.and_(nibbles, splat(V8I32, 7)), splat(V8I32, 8)))  # fmt: skip
+        indices = b.or_(e.words(blk, 8 * p, I8, 8), b.shl(nibbles, splat(V8I32, 8)))
         levels = b.bitcast(e.gather(table, indices, I64), V64I8)
-        negative = b.lshr(nibbles, splat(V8I32, 3))
-        offsets = b.add(splat(V8I32, 7), b.shl(negative, splat(V8I32, 1)))
-        offsets = e.spread(offsets, [k // 2 for k in range(16)])
-        shifts = ir.Constant(V16I32, [3 * (k // 4) for k in range(16)])
-        scales = b.and_(b.lshr(e.spread(sc[p], [0] * 16), shifts), splat(V16I32, 7))
-        odd = b.or_(b.shl(scales, splat(V16I32, 1)), splat(V16I32, 1))
-        yield Chunk(e.chunk_index(c0, 2 * p), levels, offsets, odd)
-    yield BlockEnd(c0, b.fmul(d, ir.Constant(F32, 0.125)))
+        odd = e.spread(odds, [4 * p + k // 4 for k in range(16)])
+        yield Chunk(e.chunk_index(c0, 2 * p), levels, 0, odd)
+    d = b.fmul(d, ir.Constant(F32, 0.125))
+    yield BlockEnd(c0, d, b.mul(odds, splat(V16I32, 9)), b.fneg(d))
 
 
 # ---- ternary: w = d * (q - 1), q in 0..2, one scale per 256 weights
