@@ -743,9 +743,10 @@ def _block_aux(e, words, shift):
     signs = e.intrinsic("llvm.x86.vgf2p8affineqb.512", V64I8, fields, matrix, ir.Constant(I8, 0))
     # byte k of qword j: the signs of entry k (< 4) of word j
     masks = _sign_masks(e, signs, lambda p, g: 8 * (2 * p + g // 4) + g % 4)
-    odd = b.trunc(b.or_(b.lshr(words, splat(v8i64, shift + 27)), splat(v8i64, 1)), V8I32)
+    # 2s + 1 in the low half of each lane, spread from there (no vpmovqd)
+    odd = b.bitcast(b.or_(b.lshr(words, splat(v8i64, shift + 27)), splat(v8i64, 1)), V16I32)
     for p in range(4):
-        yield masks[p], e.spread(odd, [2 * p] * 8 + [2 * p + 1] * 8)
+        yield masks[p], e.spread(odd, [4 * p] * 8 + [4 * p + 2] * 8)
 
 
 def _sign_masks(e, signs, byte_of):
