@@ -778,6 +778,21 @@ def _nibble_odds(e, blk, offset, n):
     return b.or_(b.shl(b.and_(nibbles, splat(vec, 15)), splat(vec, 1)), splat(vec, 1))
 
 
+def _high_index_bits(e, blk, offset, shifts, mask):
+    """<8 x i32>: (word >> shifts[k]) & mask << 8 in lane k, word the u32 at blk + offset (with
+    VBMI: the u32 broadcast from memory, one vpmultishiftqb cuts each field into its lane's second
+    byte, where a broadcast, variable shift, and and shift took four instructions)."""
+    b = e.b
+    if not BYTE_PERMUTES:
+        word = e.spread(e.load(blk, offset, I32), [0] * 8)
+        high = b.and_(b.lshr(word, ir.Constant(V8I32, shifts)), splat(V8I32, mask))
+        return b.shl(high, splat(V8I32, 8))
+    words = b.bitcast(e.spread(e.load(blk, offset, I32), [0] * 8), V32I8)
+    control = ir.Constant(V32I8, [shifts[k // 4] % 32 if k % 4 == 1 else 0 for k in range(32)])
+    fields = e.intrinsic("llvm.x86.avx512.pmultishift.qb.256", V32I8, control, words)
+    return b.and_(b.bitcast(fields, V8I32), splat(V8I32, mask << 8))
+
+
 def _odd_top(e, aux):
     """<16 x i32>: 2s + 1 of the scales s in bits 28-31 of aux[0] (lanes 0-7, the first chunk)
     and aux[1] (lanes 8-15); aux >> 27 is 2s plus a bit that the | 1 covers."""
@@ -896,10 +911,8 @@ def iq2_s(e, blk, c0):
     # faster here (16 permutes and 15 blends per 32 entries; in cache 4.5 -> 3.7-4.4 GB/s)
     odds = _nibble_odds(e, blk, 74, 16)
     for p in range(4):
-        low = e.words(blk, 2 + 8 * p, I8, 8)
-        qh = e.spread(e.words(blk, 66 + 2 * p, I16, 1), [0] * 8)
-        high = b.and_(b.lshr(qh, ir.Constant(V8I32, list(range(0, 16, 2)))), splat(V8I32, 3))
-        levels = e.gather(table, b.or_(low, b.shl(high, splat(V8I32, 8))), I64)
+        high = _high_index_bits(e, blk, 66 + 2 * p, list(range(0, 16, 2)), 3)  # qh's u16
+        levels = e.gather(table, b.or_(e.words(blk, 2 + 8 * p, I8, 8), high), I64)
         signs = Signs(e.sign_bits(e.load(blk, 34 + 8 * p, V8I8)))
         odd = e.spread(odds, [4 * p + k // 4 for k in range(16)])
         yield Chunk(e.chunk_index(c0, 2 * p), b.bitcast(levels, V64I8), signs, odd)
@@ -926,10 +939,9 @@ def iq1_s(e, blk, c0):
     offsets = b.add(b.and_(b.lshr(qh8, splat(V8I32, 14)), splat(V8I32, 2)), splat(V8I32, 7))
     odds = b.or_(b.and_(b.lshr(qh8, splat(V8I32, 11)), splat(V8I32, 14)), splat(V8I32, 1))
     for p in range(4):
-        qh = e.load(blk, 34 + 4 * p, I32)  # the two chunks' u16 in one word
-        high = b.lshr(e.spread(qh, [0] * 8), ir.Constant(V8I32, [0, 3, 6, 9, 16, 19, 22, 25]))
-        indices = b.or_(e.words(blk, 2 + 8 * p, I8, 8),
-                        b.shl(b.and_(high, splat(V8I32, 7)), splat(V8I32, 8)))  # fmt: skip
+        # the two chunks' u16 in one word
+        high = _high_index_bits(e, blk, 34 + 4 * p, [0, 3, 6, 9, 16, 19, 22, 25], 7)
+        indices = b.or_(e.words(blk, 2 + 8 * p, I8, 8), high)
         levels = b.bitcast(e.gather(table, indices, I64), V64I8)
         odd = e.spread(odds, [2 * p] * 8 + [2 * p + 1] * 8)
         yield Chunk(e.chunk_index(c0, 2 * p), levels, 0, odd)
@@ -958,9 +970,8 @@ def iq1_m(e, blk, c0):
                     ir.Constant(V16I32, [3 * (j % 4) for j in range(16)]))  # fmt: skip
     odds = b.or_(b.shl(b.and_(scales, splat(V16I32, 7)), splat(V16I32, 1)), splat(V16I32, 1))
     for p in range(4):
-        qh = e.spread(e.load(blk, 32 + 4 * p, I32), [0] * 8)
-        nibbles = b.and_(b.lshr(qh, ir.Constant(V8I32, list(range(0, 32, 4)))), splat(V8I32, 15))
-        indices = b.or_(e.words(blk, 8 * p, I8, 8), b.shl(nibbles, splat(V8I32, 8)))
+        high = _high_index_bits(e, blk, 32 + 4 * p, list(range(0, 32, 4)), 15)  # qh's nibbles
+        indices = b.or_(e.words(blk, 8 * p, I8, 8), high)
         levels = b.bitcast(e.gather(table, indices, I64), V64I8)
         odd = e.spread(odds, [4 * p + k // 4 for k in range(16)])
         yield Chunk(e.chunk_index(c0, 2 * p), levels, 0, odd)
