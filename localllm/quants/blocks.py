@@ -731,9 +731,9 @@ def _block_aux(e, words, shift):
     scale s in the word's top 4 bits. The block's 32 sign fields at once (with VBMI and GFNI):
     one vpmultishiftqb cuts them out, one vgf2p8affineqb writes their parity as bit 7 (ggml's
     ksigns), and _sign_masks makes each 64 weights' mask from those bytes; where _ksigns_wide
-    took four instructions per 64 weights. The scales
-    likewise: two instructions for the block, one spread per 64 weights. One thread, in cache:
-    IQ2_XXS 4.8-5.0 -> 5.4 GB/s, IQ3_XXS 6.4-6.5 -> 7.3."""
+    took four instructions per 64 weights. The scales likewise: two instructions for the block,
+    one spread per 64 weights. One thread, in cache: IQ2_XXS 4.8-5.0 -> 5.4 GB/s, IQ3_XXS
+    6.4-6.5 -> 7.3."""
     b = e.b
     v8i64 = ir.VectorType(I64, 8)
     control = ir.Constant(V64I8, [shift + 7 * (k % 4) for k in range(8)] * 8)
@@ -771,10 +771,10 @@ def _nibble_odds(e, blk, offset, n):
     (nibble m: byte m // 2, low half first), each chunk's scales a spread of these: a block's
     scales made once, not once a chunk."""
     b = e.b
+    vec = ir.VectorType(I32, n)
     words = e.words(blk, offset, I32, n // 8) if n == 16 else e.load(blk, offset, I32)
     lanes = e.spread(words, [m // 8 for m in range(n)])
-    nibbles = b.lshr(lanes, ir.Constant(ir.VectorType(I32, n), [4 * (m % 8) for m in range(n)]))
-    vec = ir.VectorType(I32, n)
+    nibbles = b.lshr(lanes, ir.Constant(vec, [4 * (m % 8) for m in range(n)]))
     return b.or_(b.shl(b.and_(nibbles, splat(vec, 15)), splat(vec, 1)), splat(vec, 1))
 
 
@@ -783,13 +783,13 @@ def _high_index_bits(e, blk, offset, shifts, mask):
     VBMI: the u32 broadcast from memory, one vpmultishiftqb cuts each field into its lane's second
     byte, where a broadcast, variable shift, and and shift took four instructions)."""
     b = e.b
+    word = e.spread(e.load(blk, offset, I32), [0] * 8)
     if not BYTE_PERMUTES:
-        word = e.spread(e.load(blk, offset, I32), [0] * 8)
         high = b.and_(b.lshr(word, ir.Constant(V8I32, shifts)), splat(V8I32, mask))
         return b.shl(high, splat(V8I32, 8))
-    words = b.bitcast(e.spread(e.load(blk, offset, I32), [0] * 8), V32I8)
     control = ir.Constant(V32I8, [shifts[k // 4] % 32 if k % 4 == 1 else 0 for k in range(32)])
-    fields = e.intrinsic("llvm.x86.avx512.pmultishift.qb.256", V32I8, control, words)
+    fields = e.intrinsic("llvm.x86.avx512.pmultishift.qb.256", V32I8, control,
+                         b.bitcast(word, V32I8))  # fmt: skip
     return b.and_(b.bitcast(fields, V8I32), splat(V8I32, mask << 8))
 
 
@@ -873,9 +873,8 @@ def iq2_xs(e, blk, c0):
     bits per 16 weights): w = d * (2s + 1) / 8 * level * sign."""
     b = e.b
     qs = e.load(blk, 2, V32I16)
-    indices = b.and_(qs, splat(V32I16, 511))
     if PERMUTED_GRIDS:
-        codes = grid_codes(e, IQ2XS_CODES, indices)
+        codes = grid_codes(e, IQ2XS_CODES, b.and_(qs, splat(V32I16, 511)))
     else:
         table = _iq2_grid_table(e, "iq2xs_grid", IQ2XS_GRID)
     if BLOCK_SIGNS:  # the 32 sign fields' bytes (each word >> 9) with their parity as bit 7
@@ -919,10 +918,14 @@ def iq2_s(e, blk, c0):
     yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
 
 
-def _iq1_table(e):
+def _iq1_table(e, with_deltas=False):
     """iq1s_grid with each level -1, 0, 1 as 8 * (level + 1): 8 * (level +- 1/8) is that minus
-    7 or 9, an integer offset (IQ1_DELTA = 1/8)."""
+    7 or 9, an integer offset (IQ1_DELTA = 1/8). with_deltas (IQ1_M): 4096 entries, the 2048
+    plus 2 (delta +1/8, so that the weight is u - 9), then the 2048 as they are (-1/8)."""
     levels = ((IQ1_GRID.astype(np.int16) + 1) * 8).astype(np.uint8)
+    if with_deltas:
+        both = np.concatenate([levels + 2, levels])
+        return e.table("iq1m_grid", both.view("<u8").reshape(-1), I64)
     return e.table("iq1_grid", levels.view("<u8").reshape(-1), I64)
 
 
@@ -958,9 +961,7 @@ def iq1_m(e, blk, c0):
     every weight is u - 9, the offset 9 a minimum per 16 weights (9 * (2s + 1)) as IQ1_S's;
     where a chunk's deltas and scales took ten instructions a row."""
     b = e.b
-    levels = ((IQ1_GRID.astype(np.int16) + 1) * 8).astype(np.uint8)
-    both = np.concatenate([levels + 2, levels])
-    table = e.table("iq1m_grid", both.view("<u8").reshape(-1), I64)
+    table = _iq1_table(e, with_deltas=True)
     sc = e.words(blk, 48, I16, 4)
     top = b.and_(sc, splat(V4I32, 0xF000))
     bits = b.lshr(top, ir.Constant(V4I32, [12, 8, 4, 0]))
