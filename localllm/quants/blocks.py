@@ -231,6 +231,11 @@ class BlockReader:
         picks = ir.Constant(ir.VectorType(I32, len(picks)), picks)
         return self.b.shuffle_vector(values, ir.Constant(values.type, None), picks)
 
+    def lanes_each(self, values, spread):
+        """(k) -> chunk k's scale, values[k] (<n x i32>, made once a block) in every lane:
+        spread(k), a shuffle each (intdot's _Emitter reads them from memory instead)."""
+        return spread
+
     def words(self, block, offset, ty, n):
         """<n x i32>: n unsigned integers of type ty (i8, i16, i32) at block + offset."""
         v = self.load(block, offset, ir.VectorType(ty, n))
@@ -390,7 +395,7 @@ def _scales_mins_k4(e, blk):
         mask = b.load(b.gep(picks, [ir.Constant(I32, 0), ir.Constant(I32, k)]), align=32)
         return b.bitcast(e.intrinsic("llvm.x86.avx2.pshuf.b", V32I8, both, mask), V8I32)
 
-    return scale_lanes, eight_bytes(8)
+    return e.lanes_each(eight_bytes(0), scale_lanes), eight_bytes(8)
 
 
 def _k_asymmetric(e, blk, c0, quants_at, high_bits_at):

@@ -61,6 +61,9 @@ _USABLE = _target_features() & host_features()
 INSTRUCTION_SET = _instruction_set(_USABLE)
 TILE_LANES = tile_lanes(_USABLE)
 
+# AVX-512 VNNI with VL: vpdpbusd / vpdpwssd EVEX-coded (any of 32 registers; else AVX-VNNI's VEX)
+EVEX_VNNI = {"avx512vnni", "avx512vl"} <= _USABLE
+
 # AVX-512BW/VL: <n x i1> vectors live in mask registers (elsewhere blocks.BlockReader.sign_bits
 # builds byte masks instead)
 MASK_REGISTERS = {"avx512bw", "avx512vl"} <= _USABLE
