@@ -87,7 +87,8 @@ class Chunk(NamedTuple):
     """32 weights, columns 32 index .. 32 index + 31 of the row. u <32 x i8> holds levels; the
     integer weight is u - offset for an int offset (an i32 value, or an <8 x i32> per lane of 4
     weights), u itself for SIGNED, u negated where Signs.bits is set. scale: None (1), an i32, or
-    an <8 x i32> per lane whose lanes 0-3 and 4-7 hold the scales of the two 16-weight halves."""
+    an <8 x i32> per lane whose lanes 0-3 and 4-7 hold the scales of the two 16-weight halves
+    (or what the kernel's lanes_each gave the reader: intdot's scale in memory)."""
 
     index: ir.Value
     u: ir.Value
