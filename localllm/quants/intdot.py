@@ -240,6 +240,7 @@ class _Emitter(BlockReader):
         init, u, x = self.operands(chunk)
         scale = chunk.scale
         if isinstance(scale, _SlotScale):
+            assert isinstance(init, ir.Constant), "scaled_pairs takes chunks of offset 0"
             self.odd[row] = not self.odd[row]
             iacc = self.iacc_odd[row] if self.odd[row] else self.iacc[row]
             b.store(self.scaled_pairs(b.load(iacc), u, x, scale), iacc)
@@ -304,8 +305,8 @@ class _Emitter(BlockReader):
         the pairs times the scale in both halves of its dword, from memory (vpdpwssd with an
         embedded broadcast). Two instructions and no shuffle, where vpdpbusd into a zeroed
         register, the scale's spread, vpmaddwd and vpaddd took five (Q4_K and Q5_K, rows a thread
-        at a time, 8960x1536 streamed on 2 threads: 22.4 -> 23.2 and 21.5 -> 22.6 GB/s, medians
-        +6%). Inline assembly: LLVM would split vpdpwssd into vpmaddwd + vpaddd in a chain (its
+        at a time, 8960x1536 streamed on 2 threads, medians: 21.8 -> 22.8 and 20.2 -> 22.7
+        GB/s). Inline assembly: LLVM would split vpdpwssd into vpmaddwd + vpaddd in a chain (its
         machine combiner, on CPUs not tuned fast-dpwssd) and take the scale from the store
         rather than from memory."""
         b = self.b
