@@ -95,6 +95,11 @@ class Backend(Protocol):
         """outs[i] = x @ weights[i].T for weights that share the input x."""
         ...
 
+    def linear_each(self, x: Array, weights: Any, out: Array) -> Array:
+        """out[i] = x[i] @ weights[i].T, each row of x through its own weight (a token's MoE
+        experts): x float32[n, n_cols], out float32[n, n_rows], the weights of one shape."""
+        ...
+
     def embed(self, w: Any, token_ids: np.ndarray, out: Array) -> Array:
         """out = rows token_ids of the embedding matrix: float32[n_tokens, n_cols]."""
         ...
@@ -326,6 +331,21 @@ class CPUBackend:
             else:
                 w.qtype.matmul(w.raw, xr, out)
         return tuple(outs)
+
+    def linear_each(self, x: np.ndarray, weights, out: np.ndarray) -> np.ndarray:
+        """out[i] = x[i] @ weights[i].T. Weights of one type with integer kernels: x quantized
+        once, one kernel call for all (intdot's matvec, `each`); otherwise one linear a row."""
+        types = {w.qtype for w in weights}
+        qt = types.pop() if len(types) == 1 else None
+        if qt is None or not self.integer_kernels or qt.int_matvec is None:
+            for i, w in enumerate(weights):
+                self.linear(x[i : i + 1], w, out[i : i + 1])
+            return out
+        if not out.flags.c_contiguous:  # the kernels address rows by the row length
+            raise ValueError("the output of linear_each must be C-contiguous")
+        xq = self._activation_quants(x, Q8_BLOCK_SIZE[qt.vec_dot_type])
+        qt.int_matvec(tuple(w.raw for w in weights), *xq, (out,) * len(weights), True)
+        return out
 
     def _integer_matmuls(self, x: np.ndarray, pairs) -> None:
         """out = x @ w.T for (w, out) pairs, x: float32[n_tokens, n_cols]: x quantized to int8

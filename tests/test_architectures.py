@@ -445,18 +445,27 @@ def test_only_the_chosen_experts_run():
         transformer, backend = model.transformer, model.transformer.backend
         prompt = reference("qwen3moe")["greedy"][0]["prompt_ids"]
         transformer.forward(prompt, 0)
-        used = []
-        original = backend.linear_many
+        used, inside = [], []
 
-        def recording(x, weights, outs):
-            used.extend(w.name for w in weights if "_exps" in w.name)
-            return original(x, weights, outs)
+        def recording(original):
+            def method(x, weights, outs):
+                if not inside:  # linear_each may go through linear_many
+                    used.extend(w.name for w in weights if "_exps" in w.name)
+                inside.append(True)
+                try:
+                    return original(x, weights, outs)
+                finally:
+                    inside.pop()
 
-        backend.linear_many = recording
+            return method
+
+        # gate and up in one linear_many, the downs in one linear_each
+        backend.linear_many = recording(backend.linear_many)
+        backend.linear_each = recording(backend.linear_each)
         try:
             transformer.forward([prompt[-1]], len(prompt))
         finally:
-            backend.linear_many = original
+            del backend.linear_many, backend.linear_each
         c = model.config
         # gate, up and down of each chosen expert, in each layer, once
         assert len(used) == len(set(used)) == 3 * c.n_experts_used * c.n_layers

@@ -38,7 +38,7 @@ def backend_classes() -> list[type]:
 
 def test_the_protocol_lists_what_the_model_calls():
     assert "linear" in PROTOCOL_METHODS and "attention" in PROTOCOL_METHODS
-    assert len(PROTOCOL_METHODS) == 28
+    assert len(PROTOCOL_METHODS) == 29
 
 
 @pytest.mark.parametrize("method", PROTOCOL_METHODS)

@@ -138,6 +138,25 @@ def test_matvec_of_several_weights(name):
         np.testing.assert_array_equal(out, alone)
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q4_0"])
+def test_each_token_through_its_own_weight(name):
+    """each=True (a token's MoE experts): row i of the output is token i's product with the i-th
+    weight, bit for bit what a call for that token and weight alone gives. Q4_K goes a row at
+    a time, Q4_0 four."""
+    ggml_type = TYPES[name]
+    rng = np.random.default_rng(11)
+    n_rows, n_cols, n_tokens = 37, 512, 5
+    raws = tuple(read_only(random_weights(name, n_rows, n_cols, rng)) for _ in range(n_tokens))
+    x = rng.standard_normal((n_tokens, n_cols)).astype(np.float32)
+    xq = quantized(x, ggml_type)
+    out = np.full((n_tokens, n_rows), np.nan, np.float32)
+    get_quant_type(ggml_type).int_matvec(raws, *xq, (out,) * n_tokens, True)
+    for i, raw in enumerate(raws):
+        alone = np.full((1, n_rows), np.nan, np.float32)
+        get_quant_type(ggml_type).int_matvec((raw,), *quantized(x[i : i + 1], ggml_type), (alone,))
+        np.testing.assert_array_equal(out[i], alone[0])
+
+
 HASWELL = (
     "+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fsgsbase,+lzcnt,+mmx,+movbe,+pclmul,"
     "+popcnt,+rdrnd,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,+xsaveopt"

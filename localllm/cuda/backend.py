@@ -156,6 +156,12 @@ class CUDABackend:
         """outs[i] = x @ weights[i].T (the CPU backend shares the rounding of x among them)."""
         return tuple(self.linear(x, w, out) for w, out in zip(weights, outs, strict=True))
 
+    def linear_each(self, x, weights, out):
+        """out[i] = x[i] @ weights[i].T: one matvec a row."""
+        for i, w in enumerate(weights):
+            self.linear(x[i : i + 1], w, out[i : i + 1])
+        return out
+
     def embed(self, w: CUDAWeight, token_ids: np.ndarray, out):
         """out = rows token_ids of the embedding matrix: float32[n_tokens, n_cols]."""
         ids = cuda.to_device(np.ascontiguousarray(token_ids, dtype=np.int64))

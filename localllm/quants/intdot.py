@@ -728,14 +728,22 @@ def matvec_kernel(ggml_type: int, name: str, one_row: bool):
     source_key = SOURCE_KEY
     one_token_rows = 1 if one_row else ROWS
 
-    def matvec(ws, xq, xd, xs, xl, xb, outs):
+    def matvec(ws, xq, xd, xs, xl, xb, outs, each=False):
         """outs[i] = x @ ws[i].T for a tuple of weights of this type that share the input
         (Q/K/V, gate/up): one parallel region for all their rows per block of tokens.
         xq, xd, xs, xl, xb: see quantize_q8; ws[i]: uint8[n_rows_i, row_bytes]; outs[i]:
-        float32[n_tokens, n_rows_i]."""
+        float32[n_tokens, n_rows_i]. each: token i alone goes through ws[i], into row i of
+        outs[i] (a MoE token's experts, each on its own input), as a token alone does."""
         depends_on(source_key)  # the record read at compile time lives in another file
         n_tokens, n_cols = xq.shape
         bounds = row_groups(ws, ROWS)
+        if each:
+            for g in prange(bounds[len(ws)]):
+                i, r0 = group_at(bounds, g, ROWS)
+                w, out = ws[i], outs[i]
+                for r in range(r0, min(r0 + ROWS, w.shape[0]), one_token_rows):
+                    _rows(ggml_type, one_token_rows, 1, w, r, i, xq, xd, xs, xl, xb, out)
+            return
         per_block = max(TILE_TOKENS, ACTIVATION_BLOCK_BYTES // n_cols // TILE_TOKENS * TILE_TOKENS)
         for b0 in range(0, n_tokens, per_block):
             b1 = min(n_tokens, b0 + per_block)
