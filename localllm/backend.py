@@ -53,6 +53,11 @@ class Backend(Protocol):
         """A 2-D weight for `linear`/`embed`, in whatever form the backend runs it."""
         ...
 
+    def weight_stack(self, tensor: TensorInfo) -> Any:
+        """A 3-D tensor of a MoE's experts' matrices (ffn_{gate,up,down}_exps) for
+        `linear_experts`; its `experts` attribute: each expert's matrix as `weight` makes it."""
+        ...
+
     def vector(self, tensor: TensorInfo) -> Array:
         """A 1-D tensor (norm weights, biases) as float32[n]."""
         ...
@@ -98,6 +103,14 @@ class Backend(Protocol):
     def linear_each(self, x: Array, weights: Any, out: Array) -> Array:
         """out[i] = x[i] @ weights[i].T, each row of x through its own weight (a token's MoE
         experts): x float32[n, n_cols], out float32[n, n_rows], the weights of one shape."""
+        ...
+
+    def linear_experts(
+        self, x: Array, stacks: Any, ids: np.ndarray, spans: np.ndarray, outs: Any
+    ) -> tuple:
+        """outs[j][spans[i]:spans[i + 1]] = x[spans[i]:spans[i + 1]] @ expert ids[i] of
+        stacks[j] (`weight_stack`s of one shape), .T: a prompt's MoE experts, x's rows sorted by
+        expert. ids: host int64[n_used]; spans: host int64[n_used + 1], spans[-1] = len(x)."""
         ...
 
     def embed(self, w: Any, token_ids: np.ndarray, out: Array) -> Array:
@@ -198,6 +211,17 @@ class QuantWeight:
     n_cols: int
 
 
+@dataclass(frozen=True)
+class QuantStack:
+    """A MoE's experts' matrices in their GGUF blocks: raw uint8[n_experts, n_rows, row_bytes],
+    a view of the map; experts: each one's QuantWeight (views of raw)."""
+
+    name: str
+    raw: np.ndarray
+    qtype: quants.QuantType
+    experts: list
+
+
 def default_threads() -> int:
     """Threads when -t is not given, at most: the physical cores this process may run on (an SMT
     sibling shares its core's load and store units, which decode is bound by)."""
@@ -247,6 +271,13 @@ class CPUBackend:
             raise LocalLLMError(f"tensor {tensor.name} should be 2-D, has shape {tensor.shape}")
         n_rows, n_cols = tensor.shape
         return QuantWeight(tensor.name, tensor.data, qtype, n_rows, n_cols)
+
+    def weight_stack(self, tensor: TensorInfo) -> QuantStack:
+        if len(tensor.shape) != 3:
+            raise LocalLLMError(f"tensor {tensor.name} should be 3-D, has shape {tensor.shape}")
+        n = tensor.shape[0]
+        experts = [self.weight(tensor.matrix(e, f"{tensor.name}[{e}]")) for e in range(n)]
+        return QuantStack(tensor.name, tensor.data, experts[0].qtype, experts)
 
     def exact_rows(self, w: QuantWeight) -> bool:
         """Integer dot products are exact sums whatever the tile a token is in; the float
@@ -346,6 +377,36 @@ class CPUBackend:
         xq = self._activation_quants(x, Q8_BLOCK_SIZE[qt.vec_dot_type])
         qt.int_matvec(tuple(w.raw for w in weights), *xq, (out,) * len(weights), True)
         return out
+
+    def linear_experts(self, x: np.ndarray, stacks, ids, spans, outs) -> tuple:
+        """With integer kernels: x quantized once per activation type; the experts with fewer
+        than TILE_MIN_TOKENS rows (most of them in a batch of a few decode rows, many in a
+        prompt chosen from many experts) in one kernel call per stack (intdot.experts_kernel),
+        each other expert in one call for all the stacks through the tiles a prompt takes
+        (int_matmul), as linear_many would. Without them, one linear_many per expert."""
+        kernels = [s.qtype.int_experts if self.integer_kernels else None for s in stacks]
+        if None in kernels or len({s.qtype for s in stacks}) > 1:
+            for i, e in enumerate(ids):
+                rows = slice(spans[i], spans[i + 1])
+                self.linear_many(x[rows], [s.experts[e] for s in stacks], [o[rows] for o in outs])
+            return tuple(outs)
+        if not all(out.flags.c_contiguous for out in outs):
+            raise ValueError("the outputs of linear_experts must be C-contiguous")
+        qt = stacks[0].qtype
+        xq = self._activation_quants(x, Q8_BLOCK_SIZE[qt.vec_dot_type])
+        bounds = np.stack([spans[:-1], spans[1:]], axis=1)  # int64[n_used, 2]
+        tiled = bounds[:, 1] - bounds[:, 0] >= TILE_MIN_TOKENS
+        if qt.int_matmul is None:
+            tiled[:] = False
+        few = ~tiled
+        if few.any():
+            for stack, kernel, out in zip(stacks, kernels, outs, strict=True):
+                kernel(stack.raw, ids[few], bounds[few], *xq, out)
+        for i in np.flatnonzero(tiled):
+            rows = slice(bounds[i, 0], bounds[i, 1])
+            raws = tuple(s.raw[ids[i]] for s in stacks)
+            qt.int_matmul(raws, *(a[rows] for a in xq), tuple(out[rows] for out in outs))
+        return tuple(outs)
 
     def _integer_matmuls(self, x: np.ndarray, pairs) -> None:
         """out = x @ w.T for (w, out) pairs, x: float32[n_tokens, n_cols]: x quantized to int8

@@ -476,6 +476,42 @@ def test_only_the_chosen_experts_run():
         model.close()
 
 
+def test_a_prompts_experts_run_in_two_calls_a_layer():
+    """A prefill runs each layer's chosen experts in two linear_experts calls (gate and up, then
+    down) on the experts some token chose, each once, and no expert matrix through any other
+    call."""
+    model = load_model(FIXTURES / "qwen3moe.gguf", n_ctx=40, device="cpu")
+    try:
+        transformer, backend = model.transformer, model.transformer.backend
+        prompt = reference("qwen3moe")["greedy"][0]["prompt_ids"]
+        calls, others = [], []
+        original_experts, original_many = backend.linear_experts, backend.linear_many
+
+        def experts(x, stacks, ids, spans, outs):
+            calls.append(([s.name for s in stacks], ids.tolist(), spans.tolist(), len(x)))
+            return original_experts(x, stacks, ids, spans, outs)
+
+        def many(x, weights, outs):
+            others.extend(w.name for w in weights if "_exps" in w.name)
+            return original_many(x, weights, outs)
+
+        backend.linear_experts, backend.linear_many = experts, many
+        try:
+            transformer.forward(prompt, 0)
+        finally:
+            del backend.linear_experts, backend.linear_many
+        c = model.config
+        assert not others and len(calls) == 2 * c.n_layers
+        for names, ids, spans, n_rows in calls:
+            kinds = [name.split(".")[-2] for name in names]
+            assert kinds in (["ffn_gate_exps", "ffn_up_exps"], ["ffn_down_exps"])
+            assert n_rows == len(prompt) * c.n_experts_used == spans[-1]
+            assert ids == sorted(set(ids)) and len(spans) == len(ids) + 1
+            assert all(a < b for a, b in zip(spans, spans[1:], strict=False))
+    finally:
+        model.close()
+
+
 def test_moe_metadata_that_does_not_fit_is_one_error_line(tmp_path):
     """More experts used than there are: one Error: line naming the keys."""
     case = dataclasses.replace(random_models.CASES["qwen3moe"], moe=(8, 9, 64, 0))

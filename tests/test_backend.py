@@ -38,7 +38,7 @@ def backend_classes() -> list[type]:
 
 def test_the_protocol_lists_what_the_model_calls():
     assert "linear" in PROTOCOL_METHODS and "attention" in PROTOCOL_METHODS
-    assert len(PROTOCOL_METHODS) == 29
+    assert len(PROTOCOL_METHODS) == 31
 
 
 @pytest.mark.parametrize("method", PROTOCOL_METHODS)
@@ -54,6 +54,38 @@ def test_both_backends_are_backends():
     for cls in backend_classes():
         assert isinstance(cls.name, str) and cls.name
     assert isinstance(CPUBackend(n_threads=1), Backend)
+
+
+@pytest.mark.parametrize("integer", [True, False])
+def test_linear_experts_is_each_expert_on_its_rows(integer):
+    """CPUBackend.linear_experts (a prompt's MoE experts, rows sorted by expert) gives each span
+    of rows exactly what `linear` gives for those rows and that expert alone, with the integer
+    kernels (one call for all the experts) and without them (one linear per expert)."""
+    from random_blocks import random_weights
+
+    from localllm.gguf import TensorInfo
+
+    rng = np.random.default_rng(5)
+    n_experts, n_rows, n_cols = 5, 24, 512
+    stacks = []
+    for kind in ("gate", "up"):
+        data = np.stack([random_weights("Q4_K", n_rows, n_cols, rng) for _ in range(n_experts)])
+        shape = (n_experts, n_rows, n_cols)
+        stacks.append(TensorInfo(f"ffn_{kind}_exps", 12, shape, 0, data.nbytes, data))
+    backend = CPUBackend(n_threads=2)
+    backend.integer_kernels = backend.integer_kernels and integer
+    stacks = [backend.weight_stack(t) for t in stacks]
+    ids = np.array([1, 2, 4], np.int64)
+    spans = np.array([0, 3, 4, 13], np.int64)
+    x = rng.standard_normal((13, n_cols)).astype(np.float32)
+    outs = [np.full((13, n_rows), np.nan, np.float32) for _ in stacks]
+    backend.linear_experts(x, stacks, ids, spans, outs)
+    for stack, out in zip(stacks, outs, strict=True):
+        for i, e in enumerate(ids):
+            rows = slice(spans[i], spans[i + 1])
+            alone = np.empty((spans[i + 1] - spans[i], n_rows), np.float32)
+            backend.linear(x[rows], stack.experts[e], alone)
+            np.testing.assert_array_equal(out[rows], alone)
 
 
 class OnlyTheProtocol:

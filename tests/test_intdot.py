@@ -157,6 +157,31 @@ def test_each_token_through_its_own_weight(name):
         np.testing.assert_array_equal(out[i], alone[0])
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q4_0", "MXFP4"])
+def test_experts_each_on_their_own_rows(name):
+    """experts_kernel (a prompt's MoE experts): each span of rows, sorted by expert, through its
+    expert's matrix of the 3-D stack, bit for bit what a call for that expert's rows alone gives
+    (spans of 1 to 11 tokens: every tile width; an expert chosen by no token is skipped)."""
+    ggml_type = TYPES[name]
+    qt = get_quant_type(ggml_type)
+    rng = np.random.default_rng(12)
+    n_experts, n_rows, n_cols = 6, 37, 512
+    stack = read_only(
+        np.stack([random_weights(name, n_rows, n_cols, rng) for _ in range(n_experts)])
+    )
+    ids = np.array([0, 2, 3, 5], np.int64)
+    spans = np.array([0, 1, 8, 19, 21], np.int64)
+    x = rng.standard_normal((spans[-1], n_cols)).astype(np.float32)
+    out = np.full((spans[-1], n_rows), np.nan, np.float32)
+    bounds = np.stack([spans[:-1], spans[1:]], axis=1)
+    qt.int_experts(stack, ids, bounds, *quantized(x, ggml_type), out)
+    for i, e in enumerate(ids):
+        rows = slice(spans[i], spans[i + 1])
+        alone = np.full((spans[i + 1] - spans[i], n_rows), np.nan, np.float32)
+        qt.int_matvec((stack[e],), *quantized(x[rows], ggml_type), (alone,))
+        np.testing.assert_array_equal(out[rows], alone)
+
+
 HASWELL = (
     "+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fsgsbase,+lzcnt,+mmx,+movbe,+pclmul,"
     "+popcnt,+rdrnd,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,+xsaveopt"

@@ -36,6 +36,14 @@ class CUDAWeight:
     n_cols: int
 
 
+@dataclass(frozen=True)
+class CUDAStack:
+    """A MoE's experts' matrices, each uploaded as its own CUDAWeight."""
+
+    name: str
+    experts: list
+
+
 def _blocks(n: int, per_block: int) -> int:
     return (n + per_block - 1) // per_block
 
@@ -77,6 +85,14 @@ class CUDABackend:
         return contextlib.nullcontext()
 
     # -- weights -------------------------------------------------------------------------
+
+    def weight_stack(self, tensor: TensorInfo) -> CUDAStack:
+        """Each expert's matrix uploaded as `weight` does it."""
+        if len(tensor.shape) != 3:
+            raise LocalLLMError(f"tensor {tensor.name} should be 3-D, has shape {tensor.shape}")
+        n = tensor.shape[0]
+        experts = [self.weight(tensor.matrix(e, f"{tensor.name}[{e}]")) for e in range(n)]
+        return CUDAStack(tensor.name, experts)
 
     def weight(self, tensor: TensorInfo) -> CUDAWeight:
         """A matrix used by `linear` or `embed`, uploaded once, still quantized."""
@@ -155,6 +171,14 @@ class CUDABackend:
     def linear_many(self, x, weights, outs) -> tuple:
         """outs[i] = x @ weights[i].T (the CPU backend shares the rounding of x among them)."""
         return tuple(self.linear(x, w, out) for w, out in zip(weights, outs, strict=True))
+
+    def linear_experts(self, x, stacks, ids, spans, outs):
+        """One linear per expert and stack, on the expert's rows."""
+        for i, e in enumerate(ids):
+            rows = slice(int(spans[i]), int(spans[i + 1]))
+            for stack, out in zip(stacks, outs, strict=True):
+                self.linear(x[rows], stack.experts[e], out[rows])
+        return tuple(outs)
 
     def linear_each(self, x, weights, out):
         """out[i] = x[i] @ weights[i].T: one matvec a row."""

@@ -56,6 +56,7 @@ class MoE:
 
     router: object  # ffn_gate_inp: [n_experts, dim]
     experts: list[tuple]  # per expert: (w_gate [expert_ffn, dim], w_up, w_down [dim, expert_ffn])
+    stacks: tuple  # (gate, up, down): the backend's weight_stack of each 3-D tensor
     shared_gate: object | None = None  # ffn_gate_inp_shexp as a [1, dim] weight (qwen2moe)
     router_bias: np.ndarray | None = None  # float32[n_experts] (gpt-oss)
     # per expert: (b_gate [expert_ffn], b_up, b_down [dim]), rows of ffn_*_exps.bias (gpt-oss)
@@ -79,12 +80,12 @@ class Scratch:
         self.logits = zeros((n_batch, c.vocab_size))  # only row 0 is used, except by all_logits
         if c.n_experts:  # an expert runs on the rows of the tokens that chose it
             self.router = zeros((n_batch, c.n_experts))
-            self.expert_in = zeros((n_batch, c.dim))
-            # (a token alone: its experts' rows, Transformer._experts_of_one_token)
-            rows = max(n_batch, c.n_experts_used)
+            # every (token, rank) pair's row, sorted by expert (Transformer._experts_of_tokens)
+            rows = n_batch * c.n_experts_used
+            self.expert_in = zeros((rows, c.dim))
             self.expert_gate = zeros((rows, c.expert_ffn_dim))
             self.expert_up = zeros((rows, c.expert_ffn_dim))
-            self.expert_out = zeros((n_batch, c.dim))
+            self.expert_out = zeros((rows, c.dim))
             # weighted expert outputs by (rank, token), rank-major: block 0 becomes the sum
             self.expert_rows = zeros((c.n_experts_used * n_batch, c.dim))
             self.shared = zeros((n_batch, c.dim))  # the shared expert's output
@@ -263,13 +264,8 @@ class Transformer:
                     "as the metadata says; the file is inconsistent"
                 )
             stacks[kind] = tensor
-        experts = [
-            tuple(
-                b.weight(stacks[kind].matrix(e, f"{stacks[kind].name}[{e}]"))
-                for kind in ("gate", "up", "down")
-            )
-            for e in range(c.n_experts)
-        ]
+        stacks = tuple(b.weight_stack(stacks[kind]) for kind in ("gate", "up", "down"))
+        experts = [tuple(stack.experts[e] for stack in stacks) for e in range(c.n_experts)]
         shared_gate = self._tensors.get(p + "ffn_gate_inp_shexp.weight")
         if shared_gate is not None:  # [dim] (or [1, dim]): a one-row matrix
             if int(np.prod(shared_gate.shape)) != c.dim:
@@ -293,7 +289,7 @@ class Transformer:
                     )
                 biases.append(b.vector(tensor).reshape(c.n_experts, width))
             expert_biases = [tuple(rows[e] for rows in biases) for e in range(c.n_experts)]
-        return MoE(router, experts, shared_gate, router_bias, expert_biases)
+        return MoE(router, experts, stacks, shared_gate, router_bias, expert_biases)
 
     def _check_shapes(self) -> None:
         """Fail at load, with the tensor's name, rather than inside a kernel."""
@@ -630,6 +626,39 @@ class Transformer:
                 b.add_bias(rows[r : r + 1], biases[e][2])
         b.scatter_rows(rows, np.arange(k), weights, rows)
 
+    def _experts_of_tokens(self, moe: MoE, h, chosen, weights, rows) -> None:
+        """_moe_ffn's experts for a prompt's n tokens (or a batch's): rows[r * n + t] =
+        weights[t, r] * the FFN output of expert chosen[t, r]. The n * k (token, rank) pairs go
+        sorted by expert, the tokens' rows gathered in that order, so that each expert's are
+        one span: every expert's gate and up in one linear_experts call, one activation for all
+        the rows, the downs in another (llama.cpp's mul_mat_id), where a loop over the experts
+        made, per expert, a gather, two activation quantizations, two matmul calls, an
+        activation and a scatter, for a few tokens each. Each row's products and roundings are
+        the same as its expert's alone (the logits are bit-identical)."""
+        b, s = self.backend, self.scratch
+        n, k = chosen.shape
+        order = np.argsort(chosen, axis=None, kind="stable")  # (token, rank) pairs by expert
+        by_expert = chosen.reshape(-1)[order]
+        tokens, ranks = np.divmod(order, k)
+        ids, starts = np.unique(by_expert, return_index=True)
+        spans = np.append(starts, n * k).astype(np.int64)
+        m = n * k
+        x = b.gather_rows(h, tokens, s.expert_in[:m])
+        gate, up = s.expert_gate[:m], s.expert_up[:m]
+        b.linear_experts(x, moe.stacks[:2], ids, spans, (gate, up))
+        biases = moe.expert_biases
+        if biases is not None:  # per row, its expert's bias
+            for i, e in enumerate(ids):
+                b.add_bias(gate[spans[i] : spans[i + 1]], biases[e][0])
+                b.add_bias(up[spans[i] : spans[i + 1]], biases[e][1])
+        self._activate(gate, up)
+        y = s.expert_out[:m]
+        b.linear_experts(gate, moe.stacks[2:], ids, spans, (y,))
+        if biases is not None:
+            for i, e in enumerate(ids):
+                b.add_bias(y[spans[i] : spans[i + 1]], biases[e][2])
+        b.scatter_rows(y, ranks * n + tokens, weights[tokens, ranks], rows)
+
     def _moe_ffn(self, layer: Layer, h):
         """The mixture of experts of llama.cpp's build_moe_ffn: router logits -> softmax -> the
         n_experts_used most probable experts of each token -> their SwiGLU FFNs, weighted by the
@@ -639,7 +668,8 @@ class Transformer:
         The routing runs on the host (n_experts values per token). Then each expert some token
         chose runs once, on the rows of the tokens that chose it (gathered): only the chosen
         experts' bytes are read, so decode speed follows the active parameters, and a prefill
-        reads each chosen expert once per chunk (a token alone: _experts_of_one_token). Their
+        reads each chosen expert once per chunk (_experts_of_tokens; a token alone:
+        _experts_of_one_token). Their
         weighted outputs land in rank-major rows of s.expert_rows (rank r of token t: row
         r * n + t), whose first block is the sum.
         """
@@ -665,21 +695,7 @@ class Transformer:
         if n == 1:
             self._experts_of_one_token(moe, h, chosen[0], weights[0], rows)
         else:
-            for expert in np.unique(chosen):
-                tokens, ranks = np.nonzero(chosen == expert)
-                m = len(tokens)
-                w_gate, w_up, w_down = moe.experts[expert]
-                x = b.gather_rows(h, tokens, s.expert_in[:m])
-                gate, up = b.linear_many(x, (w_gate, w_up), (s.expert_gate[:m], s.expert_up[:m]))
-                if moe.expert_biases is not None:
-                    b_gate, b_up, b_down = moe.expert_biases[expert]
-                    b.add_bias(gate, b_gate)
-                    b.add_bias(up, b_up)
-                self._activate(gate, up)
-                y = b.linear(gate, w_down, s.expert_out[:m])
-                if moe.expert_biases is not None:
-                    b.add_bias(y, b_down)
-                b.scatter_rows(y, ranks * n + tokens, weights[tokens, ranks], rows)
+            self._experts_of_tokens(moe, h, chosen, weights, rows)
         o = rows[:n]
         for rank in range(1, k):
             b.add(o, rows[rank * n : (rank + 1) * n])

@@ -60,18 +60,22 @@ class QuantType:
     # tokens in them (gemm.py: prompts and batches; None on CPUs without vpdpbusd)
     int_matvec: Callable | None = field(init=False)
     int_matmul: Callable | None = field(init=False)
+    # a MoE's experts, each on its own rows of x (intdot.experts_kernel), or None
+    int_experts: Callable | None = field(init=False)
 
     def __post_init__(self):
         set_field = object.__setattr__.__get__(self)  # frozen: the factories' results, once
         set_field("dequantize", dequantize_kernel(self))
         set_field("matmul", matmul_kernel(self))
-        int_matvec = int_matmul = None
+        int_matvec = int_matmul = int_experts = None
         if self.dot_unpacker is not None:
             int_matvec = intdot.matvec_kernel(self.ggml_type, self.name.lower(), self.one_row)
+            int_experts = intdot.experts_kernel(self.ggml_type, self.name.lower(), self.one_row)
             if gemm.AVAILABLE:
                 int_matmul = gemm.gemm_kernel(self.ggml_type, self.name.lower())
         set_field("int_matvec", int_matvec)
         set_field("int_matmul", int_matmul)
+        set_field("int_experts", int_experts)
 
 
 def _record(ggml_type, name, block_size, type_size, vec_dot_type, module, unpacker=None,

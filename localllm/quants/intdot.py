@@ -762,3 +762,40 @@ def matvec_kernel(ggml_type: int, name: str, one_row: bool):
 
     matvec.__qualname__ = f"matvec_{name}"
     return njit(parallel=True, cache=True)(matvec)
+
+
+def experts_kernel(ggml_type: int, name: str, one_row: bool):
+    """The integer matmul of a MoE's experts (llama.cpp's mul_mat_id) with few rows each, for a
+    type whose record names a `dot_unpacker`: each expert's rows of x through that expert's
+    matrix, one parallel region for all of them (CPUBackend.linear_experts: the experts of a
+    prompt with fewer than TILE_MIN_TOKENS rows, or of a batch of a few decode rows), where a
+    call per expert cost a few tokens' dot products their own calls' overhead."""
+    source_key = SOURCE_KEY
+    one_token_rows = 1 if one_row else ROWS
+
+    def experts(w3, ids, spans, xq, xd, xs, xl, xb, out):
+        """out[a:b] = x[a:b] @ w3[ids[i]].T for each i, (a, b) = spans[i]: x's rows sorted by
+        expert, xq, xd, xs, xl, xb (see quantize_q8) their quants; w3: uint8[n_experts, n_rows,
+        row_bytes]; ids: int64[n_used]; spans: int64[n_used, 2]; out: float32[n_x_rows,
+        n_rows]. The same tiles as matvec: a row's result does not depend on the rows beside
+        it."""
+        depends_on(source_key)
+        n_used, n_rows = len(ids), w3.shape[1]
+        for g in prange(n_used * ((n_rows + ROWS - 1) // ROWS)):
+            # expert-minor: each thread takes every expert's share of rows (the experts' spans
+            # differ in length)
+            i, r0 = g % n_used, g // n_used * ROWS
+            w = w3[ids[i]]
+            b0, b1 = spans[i, 0], spans[i, 1]
+            tiled4 = b0 + (b1 - b0) // WIDE_TILE * WIDE_TILE
+            tiled = tiled4 + (b1 - tiled4) // TILE_TOKENS * TILE_TOKENS
+            for t0 in range(b0, tiled4, WIDE_TILE):
+                _rows(ggml_type, ROWS, WIDE_TILE, w, r0, t0, xq, xd, xs, xl, xb, out)
+            for t0 in range(tiled4, tiled, TILE_TOKENS):
+                _rows(ggml_type, ROWS, TILE_TOKENS, w, r0, t0, xq, xd, xs, xl, xb, out)
+            for t in range(tiled, b1):
+                for r in range(r0, min(r0 + ROWS, n_rows), one_token_rows):
+                    _rows(ggml_type, one_token_rows, 1, w, r, t, xq, xd, xs, xl, xb, out)
+
+    experts.__qualname__ = f"experts_{name}"
+    return njit(parallel=True, cache=True)(experts)
