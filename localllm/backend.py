@@ -173,6 +173,11 @@ class Backend(Protocol):
 
     def add_bias(self, x: Array, bias: Array) -> None: ...
 
+    def add_bias_rows(self, x: Array, biases: Array, ids: np.ndarray) -> None:
+        """x[r] += biases[ids[r]] for each row r (llama.cpp's ggml_add_id): each row's expert's
+        bias, gpt-oss's MoE. biases: float32[n_experts, n]; ids: host int64[len(x)]."""
+        ...
+
     def add(self, x: Array, y: Array) -> None: ...
 
     def silu_mul(self, gate: Array, up: Array) -> None: ...
@@ -273,10 +278,7 @@ class CPUBackend:
         return QuantWeight(tensor.name, tensor.data, qtype, n_rows, n_cols)
 
     def weight_stack(self, tensor: TensorInfo) -> QuantStack:
-        if len(tensor.shape) != 3:
-            raise LocalLLMError(f"tensor {tensor.name} should be 3-D, has shape {tensor.shape}")
-        n = tensor.shape[0]
-        experts = [self.weight(tensor.matrix(e, f"{tensor.name}[{e}]")) for e in range(n)]
+        experts = [self.weight(matrix) for matrix in tensor.matrices()]
         return QuantStack(tensor.name, tensor.data, experts[0].qtype, experts)
 
     def exact_rows(self, w: QuantWeight) -> bool:
@@ -548,6 +550,9 @@ class CPUBackend:
 
     def add_bias(self, x: np.ndarray, bias: np.ndarray) -> None:
         x += bias
+
+    def add_bias_rows(self, x: np.ndarray, biases: np.ndarray, ids: np.ndarray) -> None:
+        ops.add_bias_rows(x, biases, np.ascontiguousarray(ids, dtype=np.int64))
 
     def add(self, x: np.ndarray, y: np.ndarray) -> None:
         ops.add_inplace(x, y)

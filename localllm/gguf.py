@@ -111,6 +111,12 @@ class TensorInfo:
             data=self.data[index],
         )
 
+    def matrices(self) -> list[TensorInfo]:
+        """Every matrix of a 3-D tensor (a MoE's experts), `matrix(e, "name[e]")` each."""
+        if len(self.shape) != 3:
+            raise LocalLLMError(f"tensor {self.name} should be 3-D, has shape {self.shape}")
+        return [self.matrix(e, f"{self.name}[{e}]") for e in range(self.shape[0])]
+
     def rows(self, start: int, stop: int, name: str) -> TensorInfo:
         """Rows start..stop-1 of a 2-D tensor as a tensor of its own, named `name`: a part of a
         fused matrix (Phi-3's attn_qkv, its gate+up ffn_up). A view of the same bytes, no copy."""

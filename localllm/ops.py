@@ -1308,6 +1308,13 @@ def gelu_tanh_exact(x):
             x[t, i] = _gelu_tanh(x[t, i])
 
 
+@njit(parallel=True, cache=True)
+def add_bias_rows(x, biases, ids):
+    """x[r] += biases[ids[r]]: float32[n_rows, n] rows, float32[n_experts, n], int64[n_rows]."""
+    for r in prange(x.shape[0]):
+        x[r] += biases[ids[r]]
+
+
 @njit(cache=True)
 def add_inplace(x, y):
     """x += y for float32[n_tokens, dim] arrays."""

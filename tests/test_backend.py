@@ -38,7 +38,7 @@ def backend_classes() -> list[type]:
 
 def test_the_protocol_lists_what_the_model_calls():
     assert "linear" in PROTOCOL_METHODS and "attention" in PROTOCOL_METHODS
-    assert len(PROTOCOL_METHODS) == 31
+    assert len(PROTOCOL_METHODS) == 32
 
 
 @pytest.mark.parametrize("method", PROTOCOL_METHODS)
@@ -86,6 +86,17 @@ def test_linear_experts_is_each_expert_on_its_rows(integer):
             alone = np.empty((spans[i + 1] - spans[i], n_rows), np.float32)
             backend.linear(x[rows], stack.experts[e], alone)
             np.testing.assert_array_equal(out[rows], alone)
+
+
+def test_add_bias_rows_adds_each_rows_own_bias():
+    """gpt-oss's expert biases: row r gets row ids[r] of the table (ids repeat and skip)."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((5, 40)).astype(np.float32)
+    table = rng.standard_normal((4, 40)).astype(np.float32)
+    ids = np.array([3, 0, 3, 3, 1])
+    out = x.copy()
+    CPUBackend(n_threads=2).add_bias_rows(out, table, ids)
+    np.testing.assert_array_equal(out, x + table[ids])
 
 
 class OnlyTheProtocol:

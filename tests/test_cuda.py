@@ -310,6 +310,9 @@ def test_cuda_elementwise_ops():
     np.testing.assert_array_equal(b.to_host(d), gate + up + bias)
     b.scale(d, 0.5)
     np.testing.assert_array_equal(b.to_host(d), (gate + up + bias) * np.float32(0.5))
+    table, ids = rng.standard_normal((4, 20)).astype(np.float32), np.array([3, 0, 3])
+    b.add_bias_rows(d, to_device(table), ids)  # each row its expert's bias
+    np.testing.assert_array_equal(b.to_host(d), (gate + up + bias) * np.float32(0.5) + table[ids])
 
 
 @needs_cuda

@@ -544,6 +544,23 @@ def test_rows_must_hold_whole_blocks(tmp_path):
     expect_error(path, "tensor 'w' has rows of 33 elements", "Q4_0 block size 32")
 
 
+def test_a_3d_tensors_matrices_are_views_of_its_bytes(tmp_path):
+    """A MoE's experts: matrix e of a 3-D tensor is bytes e * matrix_bytes onward, named w[e]; a
+    tensor of other rank has no matrices."""
+    values = np.arange(3 * 2 * 32, dtype=np.float32)
+    tensors = {"w": (Q.F32, (3, 2, 32), values.tobytes()), "v": f32((2, 32))}
+    with read_gguf(tensor_file(tmp_path, tensors)) as gf:
+        matrices = gf.tensors["w"].matrices()
+        assert [m.name for m in matrices] == ["w[0]", "w[1]", "w[2]"]
+        for e, m in enumerate(matrices):
+            assert m.shape == (2, 32)
+            np.testing.assert_array_equal(
+                m.data.view(np.float32), values[e * 64 :].reshape(-1, 2, 32)[0]
+            )
+        with pytest.raises(LocalLLMError, match=r"tensor v should be 3-D, has shape \(2, 32\)"):
+            gf.tensors["v"].matrices()
+
+
 @pytest.mark.parametrize("ggml_type", [4, 5, 31, 99, 2**32 - 1])
 def test_unknown_ggml_type(tmp_path, ggml_type):
     path = tensor_file(tmp_path, {"blk.0.attn_q.weight": (ggml_type, (4, 32), bytes(64))})

@@ -88,11 +88,7 @@ class CUDABackend:
 
     def weight_stack(self, tensor: TensorInfo) -> CUDAStack:
         """Each expert's matrix uploaded as `weight` does it."""
-        if len(tensor.shape) != 3:
-            raise LocalLLMError(f"tensor {tensor.name} should be 3-D, has shape {tensor.shape}")
-        n = tensor.shape[0]
-        experts = [self.weight(tensor.matrix(e, f"{tensor.name}[{e}]")) for e in range(n)]
-        return CUDAStack(tensor.name, experts)
+        return CUDAStack(tensor.name, [self.weight(matrix) for matrix in tensor.matrices()])
 
     def weight(self, tensor: TensorInfo) -> CUDAWeight:
         """A matrix used by `linear` or `embed`, uploaded once, still quantized."""
@@ -302,6 +298,10 @@ class CUDABackend:
 
     def add_bias(self, x, bias) -> None:
         self._elementwise(kernels.add_bias, x, bias)
+
+    def add_bias_rows(self, x, biases, ids: np.ndarray) -> None:
+        ids = cuda.to_device(np.ascontiguousarray(ids, dtype=np.int64))
+        self._elementwise(kernels.add_bias_rows, x, biases, ids)
 
     def add(self, x, y) -> None:
         self._elementwise(kernels.add, x, y)

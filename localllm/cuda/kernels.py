@@ -839,6 +839,15 @@ def add_bias(x, bias):
 
 
 @cuda.jit(cache=True)
+def add_bias_rows(x, biases, ids):
+    """x[t] += biases[ids[t]] for every row t. biases: float32[n_experts, n]."""
+    i = cuda.grid(1)
+    n = x.shape[1]
+    if i < x.shape[0] * n:
+        x[i // n, i % n] += biases[ids[i // n], i % n]
+
+
+@cuda.jit(cache=True)
 def scale(x, factor):
     """x *= factor."""
     i = cuda.grid(1)

@@ -59,8 +59,9 @@ class MoE:
     stacks: tuple  # (gate, up, down): the backend's weight_stack of each 3-D tensor
     shared_gate: object | None = None  # ffn_gate_inp_shexp as a [1, dim] weight (qwen2moe)
     router_bias: np.ndarray | None = None  # float32[n_experts] (gpt-oss)
-    # per expert: (b_gate [expert_ffn], b_up, b_down [dim]), rows of ffn_*_exps.bias (gpt-oss)
-    expert_biases: list[tuple] | None = None
+    # ffn_{gate,up,down}_exps.bias (gpt-oss): float32[n_experts, expert_ffn] twice, then
+    # [n_experts, dim]; a row per expert
+    expert_biases: tuple | None = None
 
 
 class Scratch:
@@ -288,7 +289,7 @@ class Transformer:
                         f"{(c.n_experts, width)} as the metadata says; the file is inconsistent"
                     )
                 biases.append(b.vector(tensor).reshape(c.n_experts, width))
-            expert_biases = [tuple(rows[e] for rows in biases) for e in range(c.n_experts)]
+            expert_biases = tuple(biases)
         return MoE(router, experts, stacks, shared_gate, router_bias, expert_biases)
 
     def _check_shapes(self) -> None:
@@ -616,14 +617,12 @@ class Transformer:
         b.linear_many(h, matrices, outs)
         biases = moe.expert_biases
         if biases is not None:
-            for r, e in enumerate(chosen):
-                b.add_bias(gate[r : r + 1], biases[e][0])
-                b.add_bias(up[r : r + 1], biases[e][1])
+            b.add_bias_rows(gate, biases[0], chosen)
+            b.add_bias_rows(up, biases[1], chosen)
         self._activate(gate, up)
         b.linear_each(gate, [moe.experts[e][2] for e in chosen], rows)
         if biases is not None:
-            for r, e in enumerate(chosen):
-                b.add_bias(rows[r : r + 1], biases[e][2])
+            b.add_bias_rows(rows, biases[2], chosen)
         b.scatter_rows(rows, np.arange(k), weights, rows)
 
     def _experts_of_tokens(self, moe: MoE, h, chosen, weights, rows) -> None:
@@ -648,15 +647,13 @@ class Transformer:
         b.linear_experts(x, moe.stacks[:2], ids, spans, (gate, up))
         biases = moe.expert_biases
         if biases is not None:  # per row, its expert's bias
-            for i, e in enumerate(ids):
-                b.add_bias(gate[spans[i] : spans[i + 1]], biases[e][0])
-                b.add_bias(up[spans[i] : spans[i + 1]], biases[e][1])
+            b.add_bias_rows(gate, biases[0], by_expert)
+            b.add_bias_rows(up, biases[1], by_expert)
         self._activate(gate, up)
         y = s.expert_out[:m]
         b.linear_experts(gate, moe.stacks[2:], ids, spans, (y,))
         if biases is not None:
-            for i, e in enumerate(ids):
-                b.add_bias(y[spans[i] : spans[i + 1]], biases[e][2])
+            b.add_bias_rows(y, biases[2], by_expert)
         b.scatter_rows(y, ranks * n + tokens, weights[tokens, ranks], rows)
 
     def _moe_ffn(self, layer: Layer, h):
