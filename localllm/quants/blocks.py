@@ -149,7 +149,10 @@ class Layout:
     offset and 16-weight scales cost as much as its unpacking (Q6_K 23 -> 36 G MAC/s, Q2_K 27 ->
     34, one thread), and loses where the unpacking is a byte op or two (Q4_K 34 -> 30) or a grid
     gather with ymm-only sign steps (IQ2_XS 15 -> 11). short_scales: every scale is within
-    0..65535 already, so the kernels need not mask it to 16 bits for vpmaddwd."""
+    0..65535 already, so the kernels need not mask it to 16 bits for vpmaddwd. unsigned: every
+    integer weight is u itself, 0..unsigned (no offset, no sign; 0: not so), and every scale
+    below 2**15: AVX2's prefill tiles multiply such weights with vpmaddubsw as they are (gemm.py),
+    without ggml's sign trick."""
 
     sub_cols: int = 0
     min_cols: int = 0
@@ -157,6 +160,7 @@ class Layout:
     narrow: bool = False
     paired: bool = False
     short_scales: bool = False
+    unsigned: int = 0
 
 
 def layout(**fields):
@@ -329,7 +333,7 @@ def q4_0(e, blk, c):
     yield BlockEnd(c, e.f16(blk, 0))
 
 
-@layout(float_min=True)
+@layout(float_min=True, unsigned=15)
 def q4_1(e, blk, c):
     yield Chunk(c, e.nibble_halves(blk, 4), 0)
     yield BlockEnd(c, e.f16(blk, 0), fmin=e.f16(blk, 2))
@@ -342,7 +346,7 @@ def q5_0(e, blk, c):
     yield BlockEnd(c, e.f16(blk, 0))
 
 
-@layout(float_min=True)
+@layout(float_min=True, unsigned=31)
 def q5_1(e, blk, c):
     u = e.b.or_(e.nibble_halves(blk, 8), e.bits_to_16(e.load(blk, 4, I32)))
     yield Chunk(c, u, 0)
@@ -414,12 +418,12 @@ def _k_asymmetric(e, blk, c0, quants_at, high_bits_at):
     yield BlockEnd(c0, e.f16(blk, 0), mins, b.fneg(e.f16(blk, 2)))
 
 
-@layout(sub_cols=32, min_cols=32, narrow=True, short_scales=True)
+@layout(sub_cols=32, min_cols=32, narrow=True, short_scales=True, unsigned=15)
 def q4_k(e, blk, c0):
     return _k_asymmetric(e, blk, c0, quants_at=16, high_bits_at=0)
 
 
-@layout(sub_cols=32, min_cols=32, narrow=True, short_scales=True)
+@layout(sub_cols=32, min_cols=32, narrow=True, short_scales=True, unsigned=31)
 def q5_k(e, blk, c0):
     return _k_asymmetric(e, blk, c0, quants_at=48, high_bits_at=16)
 
@@ -456,7 +460,7 @@ def _crumbs(e, blk, offset, h, j):
     return e.b.and_(e.b.lshr(q, splat(V32I8, 2 * j)), splat(V32I8, 3))
 
 
-@layout(sub_cols=16, min_cols=16, narrow=True, paired=True)
+@layout(sub_cols=16, min_cols=16, narrow=True, paired=True, unsigned=3)
 def q2_k(e, blk, c0):
     """scales[16] (4-bit scale | 4-bit min << 4) | qs[64] | d f16 | dmin f16:
     w = d * sc * q - dmin * m per 16 weights, q 2 bits."""

@@ -49,12 +49,14 @@ def choose_instruction_set(target: set[str], host: set[str]) -> str | None:
 
 def tile_lanes(features: set[str]) -> int:
     """Tokens per vector of the prefill tiles (gemm.py): 16 with AVX-512 VNNI (zmm), 8 with the
-    256-bit vpdpbusd alone (AVX-VNNI, or AVX-512 VNNI without 512-bit registers in use), 0
-    without vpdpbusd: AVX2's vpmaddubsw saturates on the tiles' operands (unsigned activations
-    up to 255 times signed weights), so those CPUs run the matvec tiles of intdot.py."""
-    if _instruction_set(features) != "vnni":
+    256-bit vpdpbusd alone (AVX-VNNI, or AVX-512 VNNI without 512-bit registers in use) and with
+    AVX2 (vpmaddubsw, ggml's sign trick), 0 without either (the float kernels)."""
+    instruction_set = _instruction_set(features)
+    if instruction_set is None:
         return 0
-    return 16 if {"avx512vnni", "avx512f", "avx512bw"} <= features else 8
+    if instruction_set == "vnni" and {"avx512vnni", "avx512f", "avx512bw"} <= features:
+        return 16
+    return 8
 
 
 _USABLE = _target_features() & host_features()

@@ -1,5 +1,6 @@
 """Prefill tiles: integer matrix products with the tokens in the SIMD lanes (vpdpbusd on zmm, or
-ymm with AVX-VNNI alone; ymm for a batch of up to 8 tokens), for prompts and batches.
+ymm with AVX-VNNI alone; ymm for a batch of up to 8 tokens; with AVX2 alone, ymm and vpmaddubsw),
+for prompts and batches.
 
 intdot.py puts a weight row's columns in the lanes: each vpdpbusd multiplies 32 weights with one
 token, and every 32 weights take a scale multiply and an add per token as well. Here a tile
@@ -20,7 +21,12 @@ Per row group (ROWS rows) and block of tokens:
    4][token][4] (`_pack_tile`), so that vpdpbusd(u8 activations, i8 weights) gives
    sum(s * x) + 128 * sum(s), which C cancels: the block's exact integer sum S, as intdot.py
    computes it. The float steps after it are blocks.py's, the same operations lane by lane:
-   a token's outputs are bit-identical to its decode, alone or in any batch.
+   a token's outputs are bit-identical to its decode, alone or in any batch. AVX2 has no
+   vpdpbusd: the activations go in signed (no C), and 4 columns x 8 tokens are vpmaddubsw(|w|,
+   x with w's sign) widened by vpmaddwd, ggml's sign trick (|w| <= 128, |x| <= 127: a pair of
+   products stays within int16); weights that are unsigned already (Layout.unsigned: Q4_K,
+   Q5_K, Q2_K, Q4_1, Q5_1) skip the signs, and their int16 pairs are added up over several
+   groups of columns before one vpmaddwd widens them, times the sub-block's scale.
 
 The unpacked rows are reused by every tile of the block of tokens (TILE_BLOCK_BYTES of packed
 activations, which stay in L2), so a row's blocks are unpacked once per block of tokens.
@@ -50,7 +56,7 @@ from .blocks import (
     halves,
     splat,
 )
-from .cpu import TILE_LANES
+from .cpu import INSTRUCTION_SET, TILE_LANES
 from .intdot import (
     float_steps,
     group_at,
@@ -63,6 +69,11 @@ from .intdot import (
 from .kernels import SOURCE_KEY, depends_on
 
 AVAILABLE = TILE_LANES > 0
+# vpdpbusd (VNNI): activations stored unsigned, x ^ 0x80, corrected by C; else AVX2: signed, and
+# each product by ggml's sign trick, vpmaddubsw(|w|, x with w's sign), exact since |w| <= 128
+# and |x| <= 127 keep a pair's sum within int16 (see _Tile.dot)
+VNNI = INSTRUCTION_SET == "vnni"
+FLIP = np.uint32(0x80808080 if VNNI else 0)  # what _pack_tile xors 4 quants with
 LANES = TILE_LANES or 16  # tokens per vector (16 only names the layout where there are no tiles)
 ROWS = 4  # weight rows per tile
 TILE_VECTORS = 2  # vectors of LANES tokens per tile: 4 x 2 x 16 = 128 int32 sums in 8 zmm
@@ -147,6 +158,7 @@ class _Unpacker(BlockReader):
         super().__init__(builder)
         self.scratch, self.row, self.layout = scratch, row, layout
         self.chunks_per_block = chunks_per_block
+        self.corrections = VNNI  # C: only for the unsigned activations of vpdpbusd
         self.chunks = []  # the block's chunks so far: (lane sums, scale) of each
         # blocks of one chunk: (its scaled lane sums, block index) until 8 of them are added up
         # together (flush)
@@ -181,19 +193,23 @@ class _Unpacker(BlockReader):
         weights = self.weights(item)
         at = s.at("s", self.row, b.mul(item.index, ir.Constant(I64, 32)))
         b.store(weights, b.bitcast(at, V32I8.as_pointer()), align=1)
+        if item.scale is not None:
+            self.store_scale(item.index, item.scale)
+        if not self.corrections:
+            return
         # per lane: the sum of its 4 weights (vpdpbusd with unsigned ones); scaled at the
         # block's end
         ones = splat(V32I8, 1)
         args = [b.bitcast(v, V8I32) for v in (ir.Constant(V8I32, None), ones, weights)]
         sums = self.intrinsic("llvm.x86.avx512.vpdpbusd.256", V8I32, *args)
-        if item.scale is not None:
-            self.store_scale(item.index, item.scale)
         self.chunks.append((sums, item.scale))
 
     def take_end(self, item):
         b, s = self.b, self.scratch
         block = b.udiv(item.index, ir.Constant(I64, self.chunks_per_block))
-        if self.deferred:
+        if not self.corrections:
+            pass
+        elif self.deferred:
             ((sums, scale),) = self.chunks
             self.chunks = []
             self.pending.append((sums if scale is None else b.mul(sums, self.lanes(scale)), block))
@@ -352,8 +368,9 @@ def tile_bytes(n_cols, lanes):
 
 @njit(cache=True)
 def _pack_tile(xq, xd, xs, xb, t0, tile, lanes):
-    """Tokens t0 .. t0 + lanes - 1 (zeros past the last) into one packed tile (tile_bytes). The
-    sums go in pairs of int16 (|sum| <= 32 * 127) per int32, for vpdpwssd with the minimums."""
+    """Tokens t0 .. t0 + lanes - 1 (zeros past the last) into one packed tile (tile_bytes), the
+    quants xor FLIP (unsigned for vpdpbusd). The sums go in pairs of int16 (|sum| <= 32 * 127)
+    per int32, for vpdpwssd with the minimums."""
     n_tokens, n_cols = xq.shape
     n32, n64 = n_cols // 32, (n_cols + 63) // 64
     quants = tile[: n_cols * lanes].view(np.uint32)  # 4 quants + 128 per lane and column group
@@ -365,7 +382,7 @@ def _pack_tile(xq, xd, xs, xb, t0, tile, lanes):
         if t < n_tokens:
             row = xq[t].view(np.uint32)
             for g in range(n_cols // 4):
-                quants[g * lanes + lane] = row[g] ^ np.uint32(0x80808080)
+                quants[g * lanes + lane] = row[g] ^ FLIP
             for c in range(n32):
                 floats[c * lanes + lane] = xd[t, c]
                 floats[(n32 + c) * lanes + lane] = xs[t, c]
@@ -379,7 +396,7 @@ def _pack_tile(xq, xd, xs, xb, t0, tile, lanes):
                 pairs[(n32 + k) * lanes + lane] = (low & mask) | (high << np.uint32(16))
         else:  # x = 0: adds nothing, whatever the weights
             for g in range(n_cols // 4):
-                quants[g * lanes + lane] = np.uint32(0x80808080)
+                quants[g * lanes + lane] = FLIP
             for c in range(n32):
                 floats[c * lanes + lane] = 0.0
                 floats[(n32 + c) * lanes + lane] = 0.0
@@ -429,8 +446,24 @@ def _tile_codegen(qt, n_vectors, lanes):
             mask = ir.Constant(ir.VectorType(I32, lanes), None)
             return b.shuffle_vector(one, ir.Constant(vtype, None), mask)
 
+        i16 = ir.VectorType(I16, 2 * lanes)
+        ones = splat(i16, 1)
+
         def dot(acc, a, w):
-            return e.intrinsic(dot_name, vi32, acc, a, w)
+            """acc + per lane the 4 products of w's 4 weights (broadcast) and a's 4 quants."""
+            if VNNI:
+                return e.intrinsic(dot_name, vi32, acc, a, w)
+            w8 = b.bitcast(w, V32I8)
+            signed = e.sign(b.bitcast(a, V32I8), w8)  # x with w's sign: |w| * that is w * x
+            pairs = e.intrinsic("llvm.x86.avx2.pmadd.ub.sw", i16, e.sign(w8, w8), signed)
+            return b.add(acc, e.intrinsic("llvm.x86.avx2.pmadd.wd", vi32, pairs, ones))
+
+        def pairs_dot(acc, x, y):
+            """acc + per lane x's two int16 times y's (vpdpwssd)."""
+            if VNNI:
+                return e.intrinsic(pairs_name, vi32, acc, x, y)
+            x, y = b.bitcast(x, i16), b.bitcast(y, i16)
+            return b.add(acc, e.intrinsic("llvm.x86.avx2.pmadd.wd", vi32, x, y))
 
         acc = [[cgutils.alloca_once_value(b, ir.Constant(vf32, None)) for _ in range(n_vectors)]
                for _ in range(ROWS)]  # fmt: skip
@@ -439,11 +472,20 @@ def _tile_codegen(qt, n_vectors, lanes):
         # a runtime loop over a block's parts keeps the unrolled code (and its compile) small
         part_cols = layout.sub_cols or 32
         n_parts = block_cols // part_cols
+        # AVX2 with unsigned weights (Layout.unsigned): vpmaddubsw(w, x) as they are, the int16
+        # pairs of `run` groups of 4 columns added up in int16 (within +-2**15), then widened
+        # by one vpmaddwd (times the part's scale where one run covers the part)
+        run = 0
+        if not VNNI and layout.unsigned:
+            run = min(part_cols // 4, 32767 // (2 * 127 * layout.unsigned))
+        scaled_runs = run == part_cols // 4 and layout.sub_cols
         with cgutils.for_range(b, n_blocks) as loop:
             blk = loop.index
             total = [[cgutils.alloca_once(b, vi32) for _ in range(n_vectors)] for _ in range(ROWS)]
             for r in range(ROWS):
-                corr = broadcast(b.load(scratch.at("corr", r, blk)), vi32)
+                corr = ir.Constant(vi32, None)
+                if VNNI:
+                    corr = broadcast(b.load(scratch.at("corr", r, blk)), vi32)
                 for v in range(n_vectors):
                     b.store(corr, total[r][v])
             with cgutils.for_range(b, ir.Constant(I64, n_parts)) as parts:
@@ -451,6 +493,11 @@ def _tile_codegen(qt, n_vectors, lanes):
                 first_group = b.mul(part, ir.Constant(I64, part_cols // 4))
                 zero = ir.Constant(vi32, None)
                 isum = [[zero] * n_vectors for _ in range(ROWS)]
+                scale = [None] * ROWS
+                if layout.sub_cols:
+                    scale = [broadcast(b.load(scratch.at("sc", r, part)), vi32)
+                             for r in range(ROWS)]  # fmt: skip
+                pairs = [[None] * n_vectors for _ in range(ROWS)]
                 for g in range(part_cols // 4):
                     group = b.add(first_group, ir.Constant(I64, g))
                     a = [tile_vector(v, "q", group, vi32) for v in range(n_vectors)]
@@ -459,13 +506,30 @@ def _tile_codegen(qt, n_vectors, lanes):
                         w4 = b.load(b.bitcast(at, I32.as_pointer()), align=4)
                         w = broadcast(w4, vi32)
                         for v in range(n_vectors):
-                            isum[r][v] = dot(isum[r][v], a[v], w)
+                            if not run:
+                                isum[r][v] = dot(isum[r][v], a[v], w)
+                                continue
+                            p = e.intrinsic("llvm.x86.avx2.pmadd.ub.sw", i16, b.bitcast(w, V32I8),
+                                            b.bitcast(a[v], V32I8))  # fmt: skip
+                            p = p if pairs[r][v] is None else b.add(pairs[r][v], p)
+                            pairs[r][v] = p
+                            if (g + 1) % run and g + 1 < part_cols // 4:
+                                continue
+                            # scale | scale << 16 in each lane: the int16 pairs times the scale
+                            times = (
+                                ones
+                                if not scaled_runs
+                                else b.bitcast(
+                                    b.or_(scale[r], b.shl(scale[r], splat(vi32, 16))), i16
+                                )
+                            )
+                            widened = e.intrinsic("llvm.x86.avx2.pmadd.wd", vi32, p, times)
+                            isum[r][v], pairs[r][v] = b.add(isum[r][v], widened), None
                 for r in range(ROWS):
-                    scale = None
-                    if layout.sub_cols:
-                        scale = broadcast(b.load(scratch.at("sc", r, part)), vi32)
                     for v in range(n_vectors):
-                        scaled = isum[r][v] if scale is None else b.mul(isum[r][v], scale)
+                        scaled = isum[r][v]
+                        if scale[r] is not None and not scaled_runs:
+                            scaled = b.mul(scaled, scale[r])
                         b.store(b.add(b.load(total[r][v]), scaled), total[r][v])
             total = [[b.load(total[r][v]) for v in range(n_vectors)] for r in range(ROWS)]
             unit = b.mul(blk, ir.Constant(I64, block_cols // 32))  # the sections are per 32
@@ -492,8 +556,7 @@ def _tile_codegen(qt, n_vectors, lanes):
                             at = scratch.at("mn", r, b.mul(index, ir.Constant(I64, 2)))
                             pair = b.load(b.bitcast(at, I32.as_pointer()), align=2)
                             sums = tile_vector(v, section, index, vi32)
-                            m_total = e.intrinsic(pairs_name, vi32, m_total, sums,
-                                                  broadcast(pair, vi32))  # fmt: skip
+                            m_total = pairs_dot(m_total, sums, broadcast(pair, vi32))
                         return m_total
 
                     value = float_steps(e, b.load(acc[r][v]), total[r][v], end, dx[v], mins_sum,
