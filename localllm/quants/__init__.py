@@ -57,7 +57,7 @@ class QuantType:
     matmul: Callable = field(init=False)  # (w, x: float32[n_tokens, n_cols], out: float32[..])
     # the integer kernels, or None: (ws, xq, xd, xs, xl, xb, outs), see intdot.quantize_q8;
     # int_matvec with the weights in the SIMD lanes (a token or a few), int_matmul with the
-    # tokens in them (gemm.py: prompts and batches; None on CPUs without vpdpbusd)
+    # tokens in them (gemm.py: prompts and batches; None on CPUs without AVX2)
     int_matvec: Callable | None = field(init=False)
     int_matmul: Callable | None = field(init=False)
     # a MoE's experts, each on its own rows of x (intdot.experts_kernel), or None

@@ -149,10 +149,11 @@ class Layout:
     offset and 16-weight scales cost as much as its unpacking (Q6_K 23 -> 36 G MAC/s, Q2_K 27 ->
     34, one thread), and loses where the unpacking is a byte op or two (Q4_K 34 -> 30) or a grid
     gather with ymm-only sign steps (IQ2_XS 15 -> 11). short_scales: every scale is within
-    0..65535 already, so the kernels need not mask it to 16 bits for vpmaddwd. unsigned: every
-    integer weight is u itself, 0..unsigned (no offset, no sign; 0: not so), and every scale
-    below 2**15: AVX2's prefill tiles multiply such weights with vpmaddubsw as they are (gemm.py),
-    without ggml's sign trick."""
+    0..65535 already, so the kernels need not mask it to 16 bits for vpmaddwd. magnitude: no
+    integer weight is beyond +-magnitude and every scale fits int16 (0: not known so); unsigned:
+    every integer weight is u itself, 0..magnitude (no offset, no sign). AVX2's prefill tiles
+    (gemm.py) add such weights' int16 products over several columns before widening them, and
+    multiply unsigned ones with vpmaddubsw as they are, without ggml's sign trick."""
 
     sub_cols: int = 0
     min_cols: int = 0
@@ -160,7 +161,8 @@ class Layout:
     narrow: bool = False
     paired: bool = False
     short_scales: bool = False
-    unsigned: int = 0
+    magnitude: int = 0
+    unsigned: bool = False
 
 
 def layout(**fields):
@@ -327,26 +329,26 @@ class BlockReader:
 # ---- legacy types: one block = one 32-weight chunk
 
 
-@layout()
+@layout(magnitude=8)
 def q4_0(e, blk, c):
     yield Chunk(c, e.nibble_halves(blk, 2), 8)
     yield BlockEnd(c, e.f16(blk, 0))
 
 
-@layout(float_min=True, unsigned=15)
+@layout(float_min=True, magnitude=15, unsigned=True)
 def q4_1(e, blk, c):
     yield Chunk(c, e.nibble_halves(blk, 4), 0)
     yield BlockEnd(c, e.f16(blk, 0), fmin=e.f16(blk, 2))
 
 
-@layout()
+@layout(magnitude=16)
 def q5_0(e, blk, c):
     u = e.b.or_(e.nibble_halves(blk, 6), e.bits_to_16(e.load(blk, 2, I32)))
     yield Chunk(c, u, 16)
     yield BlockEnd(c, e.f16(blk, 0))
 
 
-@layout(float_min=True, unsigned=31)
+@layout(float_min=True, magnitude=31, unsigned=True)
 def q5_1(e, blk, c):
     u = e.b.or_(e.nibble_halves(blk, 8), e.bits_to_16(e.load(blk, 4, I32)))
     yield Chunk(c, u, 0)
@@ -418,17 +420,17 @@ def _k_asymmetric(e, blk, c0, quants_at, high_bits_at):
     yield BlockEnd(c0, e.f16(blk, 0), mins, b.fneg(e.f16(blk, 2)))
 
 
-@layout(sub_cols=32, min_cols=32, narrow=True, short_scales=True, unsigned=15)
+@layout(sub_cols=32, min_cols=32, narrow=True, short_scales=True, magnitude=15, unsigned=True)
 def q4_k(e, blk, c0):
     return _k_asymmetric(e, blk, c0, quants_at=16, high_bits_at=0)
 
 
-@layout(sub_cols=32, min_cols=32, narrow=True, short_scales=True, unsigned=31)
+@layout(sub_cols=32, min_cols=32, narrow=True, short_scales=True, magnitude=31, unsigned=True)
 def q5_k(e, blk, c0):
     return _k_asymmetric(e, blk, c0, quants_at=48, high_bits_at=16)
 
 
-@layout(sub_cols=16, narrow=True, paired=True)
+@layout(sub_cols=16, narrow=True, paired=True, magnitude=32)
 def q6_k(e, blk, c0):
     """ql[128] | qh[64] | scales int8[16] | d f16: w = d * sc * (q - 32), 16-weight scales."""
     b = e.b
@@ -460,7 +462,7 @@ def _crumbs(e, blk, offset, h, j):
     return e.b.and_(e.b.lshr(q, splat(V32I8, 2 * j)), splat(V32I8, 3))
 
 
-@layout(sub_cols=16, min_cols=16, narrow=True, paired=True, unsigned=3)
+@layout(sub_cols=16, min_cols=16, narrow=True, paired=True, magnitude=3, unsigned=True)
 def q2_k(e, blk, c0):
     """scales[16] (4-bit scale | 4-bit min << 4) | qs[64] | d f16 | dmin f16:
     w = d * sc * q - dmin * m per 16 weights, q 2 bits."""
@@ -495,7 +497,7 @@ def _q3_k_scales(e, blk):
     return b.sub(packed, splat(V16I32, 32))
 
 
-@layout(sub_cols=16, narrow=True, paired=True)
+@layout(sub_cols=16, narrow=True, paired=True, magnitude=4)
 def q3_k(e, blk, c0):
     """hmask[32] | qs[64] | scales[12] (16 x 6 bits) | d f16: w = d * (sc - 32) * (q - 4) per 16
     weights, q = 2 low bits | (hmask bit) << 2."""

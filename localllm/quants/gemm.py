@@ -24,9 +24,9 @@ Per row group (ROWS rows) and block of tokens:
    a token's outputs are bit-identical to its decode, alone or in any batch. AVX2 has no
    vpdpbusd: the activations go in signed (no C), and 4 columns x 8 tokens are vpmaddubsw(|w|,
    x with w's sign) widened by vpmaddwd, ggml's sign trick (|w| <= 128, |x| <= 127: a pair of
-   products stays within int16); weights that are unsigned already (Layout.unsigned: Q4_K,
-   Q5_K, Q2_K, Q4_1, Q5_1) skip the signs, and their int16 pairs are added up over several
-   groups of columns before one vpmaddwd widens them, times the sub-block's scale.
+   products stays within int16); where the weights are bounded (Layout.magnitude) the int16
+   pairs are added up over several groups of columns before one vpmaddwd widens them, times the
+   sub-block's scale, and unsigned weights (Layout.unsigned) skip the signs.
 
 The unpacked rows are reused by every tile of the block of tokens (TILE_BLOCK_BYTES of packed
 activations, which stay in L2), so a row's blocks are unpacked once per block of tokens.
@@ -470,14 +470,18 @@ def _tile_codegen(qt, n_vectors, lanes):
         n_blocks = b.udiv(n_cols, ir.Constant(I64, block_cols))
         # a part: the columns one integer scale covers (16 or 32), or 32 of an unscaled block;
         # a runtime loop over a block's parts keeps the unrolled code (and its compile) small
-        part_cols = layout.sub_cols or 32
+        # (unscaled blocks by 16 columns with AVX2's 16 registers: 8 groups of 4 rows x 2 vectors
+        # unrolled made LLVM spill; one thread, 128 tokens, Q8_0 and Q4_0 ~40 -> ~49 G MAC/s)
+        part_cols = layout.sub_cols or (32 if VNNI else 16)
         n_parts = block_cols // part_cols
-        # AVX2 with unsigned weights (Layout.unsigned): vpmaddubsw(w, x) as they are, the int16
-        # pairs of `run` groups of 4 columns added up in int16 (within +-2**15), then widened
-        # by one vpmaddwd (times the part's scale where one run covers the part)
+        # AVX2 with weights of known magnitude (Layout.magnitude): the int16 pairs of `run`
+        # groups of 4 columns added up in int16 (within +-2**15), then widened by one vpmaddwd
+        # (times the part's scale where one run covers the part); unsigned weights go into
+        # vpmaddubsw as they are, the others with the sign trick
         run = 0
-        if not VNNI and layout.unsigned:
-            run = min(part_cols // 4, 32767 // (2 * 127 * layout.unsigned))
+        if not VNNI and layout.magnitude:
+            run = min(part_cols // 4, 32767 // (2 * 127 * layout.magnitude))
+        run = run if run > 1 else 0
         scaled_runs = run == part_cols // 4 and layout.sub_cols
         with cgutils.for_range(b, n_blocks) as loop:
             blk = loop.index
@@ -505,24 +509,25 @@ def _tile_codegen(qt, n_vectors, lanes):
                         at = scratch.at("s", r, b.mul(group, ir.Constant(I64, 4)))
                         w4 = b.load(b.bitcast(at, I32.as_pointer()), align=4)
                         w = broadcast(w4, vi32)
+                        if run:
+                            w8 = b.bitcast(w, V32I8)
+                            magnitudes = w8 if layout.unsigned else e.sign(w8, w8)
                         for v in range(n_vectors):
                             if not run:
                                 isum[r][v] = dot(isum[r][v], a[v], w)
                                 continue
-                            p = e.intrinsic("llvm.x86.avx2.pmadd.ub.sw", i16, b.bitcast(w, V32I8),
-                                            b.bitcast(a[v], V32I8))  # fmt: skip
+                            x = b.bitcast(a[v], V32I8)
+                            x = x if layout.unsigned else e.sign(x, w8)
+                            p = e.intrinsic("llvm.x86.avx2.pmadd.ub.sw", i16, magnitudes, x)
                             p = p if pairs[r][v] is None else b.add(pairs[r][v], p)
                             pairs[r][v] = p
                             if (g + 1) % run and g + 1 < part_cols // 4:
                                 continue
-                            # scale | scale << 16 in each lane: the int16 pairs times the scale
-                            times = (
-                                ones
-                                if not scaled_runs
-                                else b.bitcast(
-                                    b.or_(scale[r], b.shl(scale[r], splat(vi32, 16))), i16
-                                )
-                            )
+                            times = ones
+                            if scaled_runs:  # the scale in both int16 halves of each lane
+                                low = b.and_(scale[r], splat(vi32, 0xFFFF))
+                                both = b.or_(low, b.shl(scale[r], splat(vi32, 16)))
+                                times = b.bitcast(both, i16)
                             widened = e.intrinsic("llvm.x86.avx2.pmadd.wd", vi32, p, times)
                             isum[r][v], pairs[r][v] = b.add(isum[r][v], widened), None
                 for r in range(ROWS):
