@@ -722,31 +722,11 @@ def group_at(bounds, g, rows):
 # 7.5-8.3 -> 5.8-6.9), and so did the 32-weight types of 20 bytes or fewer per float step, whose
 # one accumulator chain (an FMA a block, bit for bit the tiles' order) then binds: Q4_0 17.2-17.4
 # -> 16.2-16.5, IQ4_NL 17.7-18.1 -> 16.8-17.2, Q4_1 16.6-19.0 -> 15.2, Q5_1 17.1-17.9 -> 16.2-16.8.
-def _span_kernel(ggml_type: int, one_row: bool):
-    """span(w, r0, b0, b1, xq, xd, xs, xl, xb, out): tokens b0 .. b1 - 1 through w's row group
-    r0 .. r0 + ROWS - 1, in 4-token tiles, then 2-token ones, then a token alone (a row at a
-    time where one_row says so, see above): the token loop that matvec and experts share."""
-    one_token_rows = 1 if one_row else ROWS
-
-    def span(w, r0, b0, b1, xq, xd, xs, xl, xb, out):
-        tiled4 = b0 + (b1 - b0) // WIDE_TILE * WIDE_TILE
-        tiled = tiled4 + (b1 - tiled4) // TILE_TOKENS * TILE_TOKENS
-        for t0 in range(b0, tiled4, WIDE_TILE):
-            _rows(ggml_type, ROWS, WIDE_TILE, w, r0, t0, xq, xd, xs, xl, xb, out)
-        for t0 in range(tiled4, tiled, TILE_TOKENS):
-            _rows(ggml_type, ROWS, TILE_TOKENS, w, r0, t0, xq, xd, xs, xl, xb, out)
-        for t in range(tiled, b1):
-            for r in range(r0, min(r0 + ROWS, w.shape[0]), one_token_rows):
-                _rows(ggml_type, one_token_rows, 1, w, r, t, xq, xd, xs, xl, xb, out)
-
-    return njit(inline="always")(span)
-
-
 def matvec_kernel(ggml_type: int, name: str, one_row: bool):
     """The integer matvec/matmul for a type whose record names a `dot_unpacker` (see _rows);
     one_row: a token alone goes a row at a time (above)."""
     source_key = SOURCE_KEY
-    span = _span_kernel(ggml_type, one_row)
+    one_token_rows = 1 if one_row else ROWS
 
     def matvec(ws, xq, xd, xs, xl, xb, outs, each=False):
         """outs[i] = x @ ws[i].T for a tuple of weights of this type that share the input
@@ -760,14 +740,25 @@ def matvec_kernel(ggml_type: int, name: str, one_row: bool):
         if each:
             for g in prange(bounds[len(ws)]):
                 i, r0 = group_at(bounds, g, ROWS)
-                span(ws[i], r0, i, i + 1, xq, xd, xs, xl, xb, outs[i])
+                w, out = ws[i], outs[i]
+                for r in range(r0, min(r0 + ROWS, w.shape[0]), one_token_rows):
+                    _rows(ggml_type, one_token_rows, 1, w, r, i, xq, xd, xs, xl, xb, out)
             return
         per_block = max(TILE_TOKENS, ACTIVATION_BLOCK_BYTES // n_cols // TILE_TOKENS * TILE_TOKENS)
         for b0 in range(0, n_tokens, per_block):
             b1 = min(n_tokens, b0 + per_block)
+            tiled4 = b0 + (b1 - b0) // WIDE_TILE * WIDE_TILE
+            tiled = tiled4 + (b1 - tiled4) // TILE_TOKENS * TILE_TOKENS
             for g in prange(bounds[len(ws)]):
                 i, r0 = group_at(bounds, g, ROWS)
-                span(ws[i], r0, b0, b1, xq, xd, xs, xl, xb, outs[i])
+                w, out = ws[i], outs[i]
+                for t0 in range(b0, tiled4, WIDE_TILE):
+                    _rows(ggml_type, ROWS, WIDE_TILE, w, r0, t0, xq, xd, xs, xl, xb, out)
+                for t0 in range(tiled4, tiled, TILE_TOKENS):
+                    _rows(ggml_type, ROWS, TILE_TOKENS, w, r0, t0, xq, xd, xs, xl, xb, out)
+                for t in range(tiled, b1):  # a token alone (decode): one_row
+                    for r in range(r0, min(r0 + ROWS, w.shape[0]), one_token_rows):
+                        _rows(ggml_type, one_token_rows, 1, w, r, t, xq, xd, xs, xl, xb, out)
 
     matvec.__qualname__ = f"matvec_{name}"
     return njit(parallel=True, cache=True)(matvec)
@@ -780,7 +771,7 @@ def experts_kernel(ggml_type: int, name: str, one_row: bool):
     prompt with fewer than TILE_MIN_TOKENS rows, or of a batch of a few decode rows), where a
     call per expert cost a few tokens' dot products their own calls' overhead."""
     source_key = SOURCE_KEY
-    span = _span_kernel(ggml_type, one_row)
+    one_token_rows = 1 if one_row else ROWS
 
     def experts(w3, ids, spans, xq, xd, xs, xl, xb, out):
         """out[a:b] = x[a:b] @ w3[ids[i]].T for each i, (a, b) = spans[i]: x's rows sorted by
@@ -794,7 +785,17 @@ def experts_kernel(ggml_type: int, name: str, one_row: bool):
             # expert-minor: each thread takes every expert's share of rows (the experts' spans
             # differ in length)
             i, r0 = g % n_used, g // n_used * ROWS
-            span(w3[ids[i]], r0, spans[i, 0], spans[i, 1], xq, xd, xs, xl, xb, out)
+            w = w3[ids[i]]
+            b0, b1 = spans[i, 0], spans[i, 1]
+            tiled4 = b0 + (b1 - b0) // WIDE_TILE * WIDE_TILE
+            tiled = tiled4 + (b1 - tiled4) // TILE_TOKENS * TILE_TOKENS
+            for t0 in range(b0, tiled4, WIDE_TILE):
+                _rows(ggml_type, ROWS, WIDE_TILE, w, r0, t0, xq, xd, xs, xl, xb, out)
+            for t0 in range(tiled4, tiled, TILE_TOKENS):
+                _rows(ggml_type, ROWS, TILE_TOKENS, w, r0, t0, xq, xd, xs, xl, xb, out)
+            for t in range(tiled, b1):
+                for r in range(r0, min(r0 + ROWS, n_rows), one_token_rows):
+                    _rows(ggml_type, one_token_rows, 1, w, r, t, xq, xd, xs, xl, xb, out)
 
     experts.__qualname__ = f"experts_{name}"
     return njit(parallel=True, cache=True)(experts)
