@@ -158,7 +158,6 @@ class _Unpacker(BlockReader):
         super().__init__(builder)
         self.scratch, self.row, self.layout = scratch, row, layout
         self.chunks_per_block = chunks_per_block
-        self.corrections = VNNI  # C: only for the unsigned activations of vpdpbusd
         self.chunks = []  # the block's chunks so far: (lane sums, scale) of each
         # blocks of one chunk: (its scaled lane sums, block index) until 8 of them are added up
         # together (flush)
@@ -195,7 +194,7 @@ class _Unpacker(BlockReader):
         b.store(weights, b.bitcast(at, V32I8.as_pointer()), align=1)
         if item.scale is not None:
             self.store_scale(item.index, item.scale)
-        if not self.corrections:
+        if not VNNI:  # C: only for the unsigned activations of vpdpbusd
             return
         # per lane: the sum of its 4 weights (vpdpbusd with unsigned ones); scaled at the
         # block's end
@@ -207,13 +206,11 @@ class _Unpacker(BlockReader):
     def take_end(self, item):
         b, s = self.b, self.scratch
         block = b.udiv(item.index, ir.Constant(I64, self.chunks_per_block))
-        if not self.corrections:
-            pass
-        elif self.deferred:
+        if VNNI and self.deferred:
             ((sums, scale),) = self.chunks
             self.chunks = []
             self.pending.append((sums if scale is None else b.mul(sums, self.lanes(scale)), block))
-        else:
+        elif VNNI:
             correction = b.mul(self.block_sum(), ir.Constant(I32, -128))
             b.store(correction, s.at("corr", self.row, block))
         b.store(item.d, s.at("d", self.row, block))
@@ -449,15 +446,6 @@ def _tile_codegen(qt, n_vectors, lanes):
         i16 = ir.VectorType(I16, 2 * lanes)
         ones = splat(i16, 1)
 
-        def dot(acc, a, w):
-            """acc + per lane the 4 products of w's 4 weights (broadcast) and a's 4 quants."""
-            if VNNI:
-                return e.intrinsic(dot_name, vi32, acc, a, w)
-            w8 = b.bitcast(w, V32I8)
-            signed = e.sign(b.bitcast(a, V32I8), w8)  # x with w's sign: |w| * that is w * x
-            pairs = e.intrinsic("llvm.x86.avx2.pmadd.ub.sw", i16, e.sign(w8, w8), signed)
-            return b.add(acc, e.intrinsic("llvm.x86.avx2.pmadd.wd", vi32, pairs, ones))
-
         def pairs_dot(acc, x, y):
             """acc + per lane x's two int16 times y's (vpdpwssd)."""
             if VNNI:
@@ -474,14 +462,15 @@ def _tile_codegen(qt, n_vectors, lanes):
         # unrolled made LLVM spill; one thread, 128 tokens, Q8_0 and Q4_0 ~40 -> ~49 G MAC/s)
         part_cols = layout.sub_cols or (32 if VNNI else 16)
         n_parts = block_cols // part_cols
-        # AVX2 with weights of known magnitude (Layout.magnitude): the int16 pairs of `run`
-        # groups of 4 columns added up in int16 (within +-2**15), then widened by one vpmaddwd
-        # (times the part's scale where one run covers the part); unsigned weights go into
-        # vpmaddubsw as they are, the others with the sign trick
+        # AVX2: vpmaddubsw's int16 pairs of `run` groups of 4 columns added up in int16 (within
+        # +-2**15: one group where the weights' magnitude is not known, |w| <= 128), then widened
+        # by one vpmaddwd (times the part's scale where one run covers the part); unsigned
+        # weights go into vpmaddubsw as they are, the others by ggml's sign trick. VNNI: vpdpbusd.
         run = 0
-        if not VNNI and layout.magnitude:
-            run = min(part_cols // 4, 32767 // (2 * 127 * layout.magnitude))
-        run = run if run > 1 else 0
+        if not VNNI:
+            run = 1
+            if layout.magnitude:
+                run = min(part_cols // 4, 32767 // (2 * 127 * layout.magnitude))
         scaled_runs = run == part_cols // 4 and layout.sub_cols
         with cgutils.for_range(b, n_blocks) as loop:
             blk = loop.index
@@ -514,7 +503,7 @@ def _tile_codegen(qt, n_vectors, lanes):
                             magnitudes = w8 if layout.unsigned else e.sign(w8, w8)
                         for v in range(n_vectors):
                             if not run:
-                                isum[r][v] = dot(isum[r][v], a[v], w)
+                                isum[r][v] = e.intrinsic(dot_name, vi32, isum[r][v], a[v], w)
                                 continue
                             x = b.bitcast(a[v], V32I8)
                             x = x if layout.unsigned else e.sign(x, w8)
