@@ -65,6 +65,11 @@ ZMM = TILE_LANES == 16  # 512-bit registers in use: a reader may yield 64-weight
 # (_block_aux) wherever the instructions are
 PERMUTED_GRIDS = ZMM and BYTE_PERMUTES and SLOW_GATHERS
 BLOCK_SIGNS = ZMM and BYTE_PERMUTES and BIT_SHUFFLES
+# Grid entries by scalar loads, as ggml's AVX2 kernels take them, where the CPU's ymm gathers are
+# slow (Zen 2/3, without 512-bit registers). Zen 3, one thread, in cache, the one-token matvec
+# alternating in one process (G MAC/s, vpgather / loads): IQ3_S 7.3 / 8.0, IQ3_XXS 7.0 / 7.7,
+# IQ2_S 8.4 / 10.0, IQ2_XS 7.0 / 7.4, IQ2_XXS 7.0 / 9.0, IQ1_M 8.5 / 10.2, IQ1_S 9.3 / 12.0.
+SCALAR_LOOKUPS = SLOW_GATHERS and not ZMM
 
 
 def splat(vec_type, value):
@@ -81,6 +86,13 @@ class Signs:
 
     def __init__(self, bits):
         self.bits = bits
+
+
+class ScalePair(NamedTuple):
+    """A chunk's scale as intdot's AVX2 kernels take it: <8 x i32> lanes, each the int16 scale
+    in both halves (see BlockReader.lanes_each)."""
+
+    lanes: ir.Value
 
 
 class Chunk(NamedTuple):
@@ -240,7 +252,8 @@ class BlockReader:
 
     def lanes_each(self, values, spread):
         """(k) -> chunk k's scale, values[k] (<n x i32>, made once a block) in every lane:
-        spread(k), a shuffle each (intdot's _Emitter reads them from memory instead)."""
+        spread(k), a shuffle each (intdot's _Emitter reads them from memory instead, or with
+        AVX2 takes ScalePair(spread(k, pair=True)), the scale in both int16 halves)."""
         return spread
 
     def words(self, block, offset, ty, n):
@@ -282,10 +295,18 @@ class BlockReader:
     def gather(self, table, indices, element=I32):
         """<n x element>: table[indices[k]] for <n x i32> indices, element i32 or i64: one ymm
         gather (vpgatherdd of 8, vpgatherdq of 4), or twice that many in one zmm gather where
-        512-bit registers are in use, else in two ymm ones."""
+        512-bit registers are in use, else in two ymm ones; or a scalar load each
+        (SCALAR_LOOKUPS)."""
         b = self.b
         n, size = indices.type.count, element.width // 8
         per_ymm = 32 // size
+        if SCALAR_LOOKUPS:
+            base = b.bitcast(table, element.as_pointer())
+            v = ir.Constant(ir.VectorType(element, n), None)
+            for k in range(n):
+                i = b.zext(b.extract_element(indices, ir.Constant(I32, k)), I64)
+                v = b.insert_element(v, b.load(b.gep(base, [i])), ir.Constant(I32, k))
+            return v
         if n == 2 * per_ymm and not ZMM:
             halves = [self.spread(indices, list(range(h, h + per_ymm))) for h in (0, per_ymm)]
             return self.concat(*(self.gather(table, h, element) for h in halves))
@@ -390,15 +411,17 @@ def _scales_mins_k4(e, blk):
         return b.zext(b.shuffle_vector(packed, packed, lanes), V8I32)
 
     both = b.shuffle_vector(packed, packed, ir.Constant(ir.VectorType(I32, 32), [*range(16)] * 2))
-    picks = e.table(
-        "k4_scale_picks",
-        [[k if j % 4 == 0 else -128 for j in range(32)] for k in range(8)],
-        V32I8,
-        writable=True,
-    )
 
-    def scale_lanes(k):  # <8 x i32>: scale k in every lane, by one vpshufb (its mask loaded:
-        # LLVM had turned a constant byte shuffle into an extract and a broadcast, two uops)
+    def scale_lanes(k, pair=False):  # <8 x i32>: scale k in every lane (pair: in both of its
+        # int16 halves), by one vpshufb (its mask loaded: LLVM had turned a constant byte
+        # shuffle into an extract and a broadcast, two uops)
+        every = 2 if pair else 4
+        picks = e.table(
+            f"k4_scale_picks_{every}",
+            [[k if j % every == 0 else -128 for j in range(32)] for k in range(8)],
+            V32I8,
+            writable=True,
+        )
         mask = b.load(b.gep(picks, [ir.Constant(I32, 0), ir.Constant(I32, k)]), align=32)
         return b.bitcast(e.intrinsic("llvm.x86.avx2.pshuf.b", V32I8, both, mask), V8I32)
 
@@ -692,24 +715,56 @@ def _ksigns(e, word, shifts):
     `shifts`; the 8th sign is their parity (ggml's ksigns_iq2xs). With GFNI and BITALG four
     instructions: the word in 4 lanes of i64, each shifted to its field, one vgf2p8affineqb
     (each lane's low byte: its 7 bits, their parity as bit 7) and one vpshufbitqmb (those bytes'
-    32 bits as a mask). Elsewhere the parity by vpopcntd, and the bytes moved to a mask."""
+    32 bits as a mask)."""
     b = e.b
     v4i64 = ir.VectorType(I64, 4)
     lanes = b.lshr(e.spread(b.zext(word, I64) if word.type != I64 else word, [0] * 4),
                    ir.Constant(v4i64, shifts))  # fmt: skip
-    if BIT_SHUFFLES:
-        return _ksign_mask(e, lanes)
-    fields = b.and_(b.trunc(lanes, V4I32), splat(V4I32, 127))
-    parity = b.and_(e.intrinsic("llvm.ctpop.v4i32", V4I32, fields), splat(V4I32, 1))
-    signs = b.or_(fields, b.shl(parity, splat(V4I32, 7)))
-    return Signs(e.sign_bits(b.trunc(signs, ir.VectorType(I8, 4))))
+    return _ksign_mask(e, lanes)
+
+
+# Bit 7 of byte i: the parity of i's 4 bits (a vpshufb table, in both 128-bit halves)
+NIBBLE_PARITY = [0x80 * (bin(i % 16).count("1") % 2) for i in range(32)]
+
+
+def _ksign_bytes(e, words, shifts):
+    """Signs of 64 weights (<64 x i1>) without GFNI: as _ksigns_wide, in ymm steps for both
+    words at once. The 8 fields to dwords (one vpermd, one vpsrlvd: a field never crosses a
+    dword), the parity of each field's 7 bits from two lookups of nibble parity (vpshufb, as
+    ggml's AVX2 vec_dot_iq2_xs_q8_K), and each 32 weights' sign bytes spread to their bytes by
+    one vpshufb, tested against each byte's bit. Lane order: fields 0, 1 of both words in the
+    low 128 bits, fields 2, 3 in the high ones, so that each spread stays in its half. Zen 3,
+    one thread, in cache: where vpopcntd's emulation and a byte spread per 32 weights took
+    twice the instructions (ctpop.v4i32 without vpopcntd is a dozen), G MAC/s: IQ3_XXS 4.8 ->
+    7.6, IQ2_XS 5.7 -> 8.8, IQ2_XXS 5.8 -> 8.8."""
+    b = e.b
+    order = [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3), (1, 2), (1, 3)]  # (word, field)
+    dwords = b.bitcast(words, V4I32)
+    lanes = e.spread(dwords, [2 * j + shifts[k] // 32 for j, k in order])
+    lanes = b.lshr(lanes, ir.Constant(V8I32, [shifts[k] % 32 for _, k in order]))
+    fields = b.bitcast(b.and_(lanes, splat(V8I32, 127)), V32I8)
+    table = ir.Constant(V32I8, NIBBLE_PARITY)
+    high = b.bitcast(b.lshr(b.bitcast(fields, V8I32), splat(V8I32, 4)), V32I8)
+    parity = b.xor(e.lookup(table, fields), e.lookup(table, high))
+    signs = b.or_(fields, parity)  # each dword's low byte: 8 signs
+    bit_of = ir.Constant(V32I8, [1 << (i % 8) for i in range(32)])
+    halves = []
+    for j in (0, 1):  # word j's sign bytes: dwords 2j, 2j + 1 of each 128-bit half
+        picks = ir.Constant(V32I8, ([8 * j] * 8 + [8 * j + 4] * 8) * 2)
+        spread = b.and_(e.lookup(signs, picks), bit_of)
+        halves.append(b.icmp_unsigned("!=", spread, ir.Constant(V32I8, None)))
+    both = ir.Constant(ir.VectorType(I32, 64), list(range(64)))
+    return Signs(b.shuffle_vector(halves[0], halves[1], both))
 
 
 def _ksigns_wide(e, words, shifts):
     """Signs of 64 weights (<64 x i1>): _ksigns of words[0] (weights 0-31) and words[1] (<2 x
-    i64>), in one zmm each step where there are 512-bit registers."""
+    i64>), in one zmm each step where there are 512-bit registers; without GFNI
+    _ksign_bytes."""
     b = e.b
-    if not (BIT_SHUFFLES and ZMM):
+    if not BIT_SHUFFLES:
+        return _ksign_bytes(e, words, shifts)
+    if not ZMM:
         first, second = (_ksigns(e, b.extract_element(words, ir.Constant(I32, k)), shifts)
                          for k in (0, 1))  # fmt: skip
         both = ir.Constant(ir.VectorType(I32, 64), list(range(64)))
