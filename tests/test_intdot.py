@@ -199,6 +199,8 @@ TARGETS = {  # instruction set: (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES)
     # this CPU is, the other way is tested here too.
     "zen4": ("znver4", AVX512_GRID),
     "icelake": ("icelake-server", AVX512_GRID),
+    # AVX2 on AMD Zen 2/3: the grid entries by scalar loads (blocks.SCALAR_LOOKUPS)
+    "zen3": ("znver3", HASWELL),
     None: (
         "nehalem",
         "+64bit,+cmov,+cx16,+mmx,+popcnt,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3",
@@ -246,12 +248,19 @@ def test_other_instruction_sets(instruction_set, tmp_path):
 
 
 @pytest.mark.slow  # two subprocesses that compile the grid types' kernels afresh
-@pytest.mark.parametrize("target, permuted", [("zen4", True), ("icelake", False)])
-def test_grid_lookups_either_way(target, permuted, tmp_path):
+@pytest.mark.parametrize(
+    "target, ways",
+    [("zen4", "True True False"), ("icelake", "False True False"), ("zen3", "False False True")],
+)
+def test_grid_lookups_either_way(target, ways, tmp_path):
     """The grid types' kernels with their entries from register permutes (where gathers are
-    slow: AMD Zen) and from gathers (Intel) pass the tests above, whichever way this CPU takes."""
-    code = "from localllm.quants import blocks; print(blocks.PERMUTED_GRIDS, blocks.BLOCK_SIGNS)"
-    assert run_for_target(target, tmp_path, "-c", code).split() == [str(permuted), "True"]
+    slow: AMD Zen 4), from gathers (Intel) and from scalar loads (AVX2 on Zen 2/3) pass the
+    tests above, whichever way this CPU takes (the AVX2 gathers: test_other_instruction_sets)."""
+    code = (
+        "from localllm.quants import blocks; "
+        "print(blocks.PERMUTED_GRIDS, blocks.BLOCK_SIGNS, blocks.SCALAR_LOOKUPS)"
+    )
+    assert run_for_target(target, tmp_path, "-c", code).strip() == ways
     grid_types = f"({KERNEL_SELECT}) and IQ and not IQ4"
     out = run_for_target(target, tmp_path, *KERNEL_TESTS, grid_types)
     assert "21 passed" in out, out[-2000:]
