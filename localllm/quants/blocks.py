@@ -748,13 +748,13 @@ def _ksign_bytes(e, words, shifts):
     parity = b.xor(e.lookup(table, fields), e.lookup(table, high))
     signs = b.or_(fields, parity)  # each dword's low byte: 8 signs
     bit_of = ir.Constant(V32I8, [1 << (i % 8) for i in range(32)])
-    halves = []
+    bits = []
     for j in (0, 1):  # word j's sign bytes: dwords 2j, 2j + 1 of each 128-bit half
         picks = ir.Constant(V32I8, ([8 * j] * 8 + [8 * j + 4] * 8) * 2)
         spread = b.and_(e.lookup(signs, picks), bit_of)
-        halves.append(b.icmp_unsigned("!=", spread, ir.Constant(V32I8, None)))
+        bits.append(b.icmp_unsigned("!=", spread, ir.Constant(V32I8, None)))
     both = ir.Constant(ir.VectorType(I32, 64), list(range(64)))
-    return Signs(b.shuffle_vector(halves[0], halves[1], both))
+    return Signs(b.shuffle_vector(bits[0], bits[1], both))
 
 
 def _ksigns_wide(e, words, shifts):
