@@ -66,9 +66,16 @@ ZMM = TILE_LANES == 16  # 512-bit registers in use: a reader may yield 64-weight
 PERMUTED_GRIDS = ZMM and BYTE_PERMUTES and SLOW_GATHERS
 BLOCK_SIGNS = ZMM and BYTE_PERMUTES and BIT_SHUFFLES
 # Grid entries by scalar loads, as ggml's AVX2 kernels take them, where the CPU's ymm gathers are
-# slow (Zen 2/3, without 512-bit registers). Zen 3, one thread, in cache, the one-token matvec
-# alternating in one process (G MAC/s, vpgather / loads): IQ3_S 7.3 / 8.0, IQ3_XXS 7.0 / 7.7,
-# IQ2_S 8.4 / 10.0, IQ2_XS 7.0 / 7.4, IQ2_XXS 7.0 / 9.0, IQ1_M 8.5 / 10.2, IQ1_S 9.3 / 12.0.
+# slow (Zen 2/3, without 512-bit registers). The readers then go a chunk (32 weights) at a time,
+# each index computed in general registers from the block's bytes (_scalar_indices), IQ2_XXS's,
+# IQ2_XS's and IQ3_XXS's signs from ggml's table of sign bytes (_ksign_chunk): Zen 3's four
+# vector pipes, which every other instruction of the kernel needs, no longer move each index out
+# of a vector register (vpextrd) nor compute the signs' parity. Zen 3, one thread, in cache, the
+# one-token matvec alternating in one process, G MAC/s: vpgather -> indices from vector
+# registers -> these readers: IQ2_XXS 7.0 -> 9.0 -> 13.2, IQ2_XS 7.0 -> 8.8 -> 12.1, IQ3_XXS 7.0
+# -> 7.7 -> 9.5, IQ1_M 8.5 -> 10.1 -> 13.3, IQ1_S 9.3 -> 12.1 -> 14.0, IQ3_S 7.3 -> 7.9 -> 8.5,
+# IQ2_S 8.4 -> 8.1-9.8 -> 7.4-12.8 (noisy; llvm-mca -mcpu=znver3 on the 4-row loop: 352 -> 237
+# cycles).
 SCALAR_LOOKUPS = SLOW_GATHERS and not ZMM
 
 
@@ -82,10 +89,11 @@ SIGNED = -1  # the offset of a chunk of int8 weights (Q8_0): u holds the weights
 
 class Signs:
     """The offset of a chunk of unsigned levels whose weights carry a sign of their own (the grid
-    types): `bits` <32 x i1> is set where the weight is negative."""
+    types): `bits` <32 x i1> is set where the weight is negative, or `bytes` <32 x i8> is -1
+    there and 1 elsewhere (a vpsignb operand, from a table: _ksign_chunk)."""
 
-    def __init__(self, bits):
-        self.bits = bits
+    def __init__(self, bits=None, bytes=None):
+        self.bits, self.bytes = bits, bytes
 
 
 class ScalePair(NamedTuple):
@@ -295,18 +303,11 @@ class BlockReader:
     def gather(self, table, indices, element=I32):
         """<n x element>: table[indices[k]] for <n x i32> indices, element i32 or i64: one ymm
         gather (vpgatherdd of 8, vpgatherdq of 4), or twice that many in one zmm gather where
-        512-bit registers are in use, else in two ymm ones; or a scalar load each
-        (SCALAR_LOOKUPS)."""
+        512-bit registers are in use, else in two ymm ones (where SCALAR_LOOKUPS, the readers
+        take `entries` instead)."""
         b = self.b
         n, size = indices.type.count, element.width // 8
         per_ymm = 32 // size
-        if SCALAR_LOOKUPS:
-            base = b.bitcast(table, element.as_pointer())
-            v = ir.Constant(ir.VectorType(element, n), None)
-            for k in range(n):
-                i = b.zext(b.extract_element(indices, ir.Constant(I32, k)), I64)
-                v = b.insert_element(v, b.load(b.gep(base, [i])), ir.Constant(I32, k))
-            return v
         if n == 2 * per_ymm and not ZMM:
             halves = [self.spread(indices, list(range(h, h + per_ymm))) for h in (0, per_ymm)]
             return self.concat(*(self.gather(table, h, element) for h in halves))
@@ -320,6 +321,27 @@ class BlockReader:
         args = (ir.Constant(result, None), base, indices, splat(result, -1), ir.Constant(I8, size))
         name = {4: "d.d", 8: "d.q"}[size]
         return self.intrinsic(f"llvm.x86.avx2.gather.{name}.256", result, *args)
+
+    def entries(self, table, indices, element=I64):
+        """<n x element>: table[i] for the n scalar integers i of `indices`, a load each (into
+        a vector register, no gather)."""
+        b = self.b
+        base = b.bitcast(table, element.as_pointer())
+        v = ir.Constant(ir.VectorType(element, len(indices)), None)
+        for k, i in enumerate(indices):
+            i = b.zext(i, I64) if i.type != I64 else i
+            v = b.insert_element(v, b.load(b.gep(base, [i])), ir.Constant(I32, k))
+        return v
+
+    def one_scale(self, value):
+        """A 32-weight chunk's scale from one i32 (< 2**15): through lanes_each, so that intdot's
+        AVX2 kernels get the pair from one scalar multiply."""
+        lanes = self.splat8i(value)
+
+        def spread(k, pair=False):
+            return self.splat8i(self.b.mul(value, ir.Constant(I32, 0x10001))) if pair else lanes
+
+        return self.lanes_each(lanes, spread)(0)
 
     def sign_bits(self, bits):
         """<n x i1>: bit k of `bits`, an i32 or i64 or n / 8 bytes (<n/8 x i8>). With AVX-512BW a
@@ -674,12 +696,68 @@ def grid_levels(e, grid, codes, picks):
     return e.intrinsic("llvm.x86.avx512.permvar.qi.512", V64I8, ir.Constant(V64I8, table), fields)
 
 
+def _parity_signs():
+    """ggml's keven_signs_q2xs as int64: entry i (< 128) the 8 sign bytes of 7 sign bits i and
+    their parity as the 8th, each -1 where the bit is set, else 1 (a vpsignb operand)."""
+    rows = []
+    for i in range(128):
+        bits = i | (bin(i).count("1") % 2) << 7
+        rows.append([0xFF if bits >> k & 1 else 1 for k in range(8)])
+    return np.array(rows, np.uint8).view("<i8").reshape(-1)
+
+
+KEVEN_SIGNS = _parity_signs()
+
+
+def _ksign_chunk(e, aux):
+    """Signs(bytes) of the 32 weights whose 4 x 7 sign bits are aux's bits 0-27 (an i32): four
+    table loads, ggml's AVX2 way."""
+    b = e.b
+    table = e.table("keven_signs", KEVEN_SIGNS, I64)
+    fields = [b.and_(b.lshr(aux, ir.Constant(I32, 7 * k)), ir.Constant(I32, 127)) for k in range(4)]
+    return Signs(bytes=b.bitcast(e.entries(table, fields), V32I8))
+
+
+def _scalar_indices(e, blk, low_at, n, high_at, high_type, bits):
+    """n grid indices as i32 scalars (SCALAR_LOOKUPS): index k the byte at blk + low_at + k, and
+    as its bits 8 and up the `bits` bits of the integer at blk + high_at (of high_type) from bit
+    bits * k."""
+    b = e.b
+    high = b.zext(e.load(blk, high_at, high_type), I32)
+    mask, eight = ir.Constant(I32, (1 << bits) - 1), ir.Constant(I32, 8)
+    fields = [b.and_(b.lshr(high, ir.Constant(I32, bits * k)), mask) for k in range(n)]
+    return [b.or_(e.byte(blk, low_at + k), b.shl(field, eight)) for k, field in enumerate(fields)]
+
+
+def _aux_chunks(e, blk, c0, table, element, n, aux_at):
+    """IQ2_XXS's and IQ3_XXS's chunks with SCALAR_LOOKUPS: chunk j's n grid indices the bytes at
+    blk + 2 + 8j, its aux word (4 x 7 sign bits, the scale s in bits 28-31) at blk + aux_at(j),
+    its scale 2s + 1."""
+    b = e.b
+    for j in range(8):
+        levels = e.entries(table, [e.byte(blk, 2 + 8 * j + k) for k in range(n)], element)
+        aux = e.load(blk, aux_at(j), I32)
+        odd = b.or_(b.lshr(aux, ir.Constant(I32, 27)), ONE)
+        yield Chunk(e.chunk_index(c0, j), b.bitcast(levels, V32I8), _ksign_chunk(e, aux),
+                    e.one_scale(odd))  # fmt: skip
+
+
 @layout(sub_cols=32, narrow=True)
 def iq3_s(e, blk, c0):
     """d f16 | qs[64] | qh[8] | signs[32] | scales[4]: w = d * (1 + 2 * scale) * level * sign
     (see iquants.py). Per 64 weights: 16 9-bit grid indices -> their 16 x 4 levels (one gather,
     or grid_codes for the block's 64), the 64 sign bits; as ggml's vec_dot_iq3_s_q8_K."""
     b = e.b
+    if SCALAR_LOOKUPS:
+        table = e.table("iq3s_grid", IQ3S_GRID.view("<u4").reshape(-1))
+        odds = _nibble_odds(e, blk, 106, 8)
+        for j in range(8):
+            levels = e.entries(table, _scalar_indices(e, blk, 2 + 8 * j, 8, 66 + j, I8, 1), I32)
+            signs = Signs(e.sign_bits(e.load(blk, 74 + 4 * j, I32)))
+            yield Chunk(e.chunk_index(c0, j), b.bitcast(levels, V32I8), signs,
+                        e.spread(odds, [j] * 8))  # fmt: skip
+        yield BlockEnd(c0, e.f16(blk, 0))
+        return
     if PERMUTED_GRIDS:  # the codes of entries 0-31 and 32-63: index bit 8 from qh's bits
         halves = []
         for h in (0, 1):
@@ -874,6 +952,11 @@ def iq3_xxs(e, blk, c0):
     level * sign (see iquants.py): one gather of 16 grid entries per 64 weights (or grid_codes
     for the block's 64), the sign bytes' parity as in ggml's vec_dot_iq3_xxs_q8_K."""
     b = e.b
+    if SCALAR_LOOKUPS:
+        table = e.table("iq3xxs_grid", IQ3XXS_GRID.view("<u4").reshape(-1))
+        yield from _aux_chunks(e, blk, c0, table, I32, 8, lambda j: 66 + 4 * j)
+        yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.25)))
+        return
     if PERMUTED_GRIDS:  # the codes of entries 0-31 and 32-63
         halves = [grid_codes(e, IQ3XXS_CODES, b.zext(e.load(blk, 2 + 32 * h, V32I8), V32I16))
                   for h in (0, 1)]  # fmt: skip
@@ -908,6 +991,11 @@ def iq2_xxs(e, blk, c0):
     w = d * (2s + 1) / 8 * level * sign. Per 64 weights one gather of 8 grid entries of 8
     levels (or grid_codes for the block's 32); as ggml's vec_dot_iq2_xxs_q8_K."""
     b = e.b
+    if SCALAR_LOOKUPS:
+        table = _iq2_grid_table(e, "iq2xxs_grid", IQ2XXS_GRID)
+        yield from _aux_chunks(e, blk, c0, table, I64, 4, lambda j: 6 + 8 * j)
+        yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
+        return
     qs = e.load(blk, 2, V64I8)  # the block after d: qword j = indices of chunk j | aux j << 32
     if PERMUTED_GRIDS:  # the block's 32 indices (bytes 8j .. 8j + 3) as words
         picks = [k for g in range(32) for k in (8 * (g // 4) + g % 4, 64)]  # 64: a zero byte
@@ -939,6 +1027,19 @@ def iq2_xs(e, blk, c0):
     """d f16 | qs u16[32] (9-bit grid index | 7 sign bits << 9, per 8 weights) | scales[8] (4
     bits per 16 weights): w = d * (2s + 1) / 8 * level * sign."""
     b = e.b
+    if SCALAR_LOOKUPS:
+        table = _iq2_grid_table(e, "iq2xs_grid", IQ2XS_GRID)
+        signs = e.table("keven_signs", KEVEN_SIGNS, I64)
+        odds = _nibble_odds(e, blk, 66, 16)
+        for j in range(8):
+            q = [b.zext(e.load(blk, 2 + 8 * j + 2 * k, I16), I32) for k in range(4)]
+            levels = e.entries(table, [b.and_(v, ir.Constant(I32, 511)) for v in q])
+            sign = e.entries(signs, [b.lshr(v, ir.Constant(I32, 9)) for v in q])
+            odd = e.spread(odds, [2 * j] * 4 + [2 * j + 1] * 4)
+            yield Chunk(e.chunk_index(c0, j), b.bitcast(levels, V32I8),
+                        Signs(bytes=b.bitcast(sign, V32I8)), odd)  # fmt: skip
+        yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
+        return
     qs = e.load(blk, 2, V32I16)
     if PERMUTED_GRIDS:
         codes = grid_codes(e, IQ2XS_CODES, b.and_(qs, splat(V32I16, 511)))
@@ -976,6 +1077,14 @@ def iq2_s(e, blk, c0):
     table = _iq2_grid_table(e, "iq2s_grid", IQ2S_GRID)  # 1024 entries: grid_codes was no
     # faster here (16 permutes and 15 blends per 32 entries; in cache 4.5 -> 3.7-4.4 GB/s)
     odds = _nibble_odds(e, blk, 74, 16)
+    if SCALAR_LOOKUPS:
+        for j in range(8):
+            levels = e.entries(table, _scalar_indices(e, blk, 2 + 4 * j, 4, 66 + j, I8, 2))
+            signs = Signs(e.sign_bits(e.load(blk, 34 + 4 * j, I32)))
+            odd = e.spread(odds, [2 * j] * 4 + [2 * j + 1] * 4)
+            yield Chunk(e.chunk_index(c0, j), b.bitcast(levels, V32I8), signs, odd)
+        yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
+        return
     for p in range(4):
         high = _high_index_bits(e, blk, 66 + 2 * p, list(range(0, 16, 2)), 3)  # qh's u16
         levels = e.gather(table, b.or_(e.words(blk, 2 + 8 * p, I8, 8), high), I64)
@@ -1008,13 +1117,17 @@ def iq1_s(e, blk, c0):
     qh8 = e.words(blk, 34, I16, 8)  # each 32 weights' delta sign (bit 15) and scale (12-14)
     offsets = b.add(b.and_(b.lshr(qh8, splat(V8I32, 14)), splat(V8I32, 2)), splat(V8I32, 7))
     odds = b.or_(b.and_(b.lshr(qh8, splat(V8I32, 11)), splat(V8I32, 14)), splat(V8I32, 1))
-    for p in range(4):
-        # the two chunks' u16 in one word
-        high = _high_index_bits(e, blk, 34 + 4 * p, [0, 3, 6, 9, 16, 19, 22, 25], 7)
-        indices = b.or_(e.words(blk, 2 + 8 * p, I8, 8), high)
-        levels = b.bitcast(e.gather(table, indices, I64), V64I8)
-        odd = e.spread(odds, [2 * p] * 8 + [2 * p + 1] * 8)
-        yield Chunk(e.chunk_index(c0, 2 * p), levels, 0, odd)
+    if SCALAR_LOOKUPS:  # a chunk at a time: qh's u16 holds its 4 x 3 high index bits
+        for j in range(8):
+            levels = e.entries(table, _scalar_indices(e, blk, 2 + 4 * j, 4, 34 + 2 * j, I16, 3))
+            yield Chunk(e.chunk_index(c0, j), b.bitcast(levels, V32I8), 0, e.spread(odds, [j] * 8))
+    else:
+        for p in range(4):  # the two chunks' u16 in one word
+            high = _high_index_bits(e, blk, 34 + 4 * p, [0, 3, 6, 9, 16, 19, 22, 25], 7)
+            indices = b.or_(e.words(blk, 2 + 8 * p, I8, 8), high)
+            levels = b.bitcast(e.gather(table, indices, I64), V64I8)
+            odd = e.spread(odds, [2 * p] * 8 + [2 * p + 1] * 8)
+            yield Chunk(e.chunk_index(c0, 2 * p), levels, 0, odd)
     d = b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125))
     yield BlockEnd(c0, d, b.mul(odds, offsets), b.fneg(d))  # offset 7, or 9: delta negative
 
@@ -1037,12 +1150,18 @@ def iq1_m(e, blk, c0):
     scales = b.lshr(e.spread(sc, [j // 4 for j in range(16)]),
                     ir.Constant(V16I32, [3 * (j % 4) for j in range(16)]))  # fmt: skip
     odds = b.or_(b.shl(b.and_(scales, splat(V16I32, 7)), splat(V16I32, 1)), splat(V16I32, 1))
-    for p in range(4):
-        high = _high_index_bits(e, blk, 32 + 4 * p, list(range(0, 32, 4)), 15)  # qh's nibbles
-        indices = b.or_(e.words(blk, 8 * p, I8, 8), high)
-        levels = b.bitcast(e.gather(table, indices, I64), V64I8)
-        odd = e.spread(odds, [4 * p + k // 4 for k in range(16)])
-        yield Chunk(e.chunk_index(c0, 2 * p), levels, 0, odd)
+    if SCALAR_LOOKUPS:  # a chunk at a time: qh's u16 holds its 4 high index nibbles
+        for j in range(8):
+            levels = e.entries(table, _scalar_indices(e, blk, 4 * j, 4, 32 + 2 * j, I16, 4))
+            odd = e.spread(odds, [2 * j] * 4 + [2 * j + 1] * 4)
+            yield Chunk(e.chunk_index(c0, j), b.bitcast(levels, V32I8), 0, odd)
+    else:
+        for p in range(4):
+            high = _high_index_bits(e, blk, 32 + 4 * p, list(range(0, 32, 4)), 15)  # qh's nibbles
+            indices = b.or_(e.words(blk, 8 * p, I8, 8), high)
+            levels = b.bitcast(e.gather(table, indices, I64), V64I8)
+            odd = e.spread(odds, [4 * p + k // 4 for k in range(16)])
+            yield Chunk(e.chunk_index(c0, 2 * p), levels, 0, odd)
     d = b.fmul(d, ir.Constant(F32, 0.125))
     yield BlockEnd(c0, d, b.mul(odds, splat(V16I32, 9)), b.fneg(d))
 

@@ -167,6 +167,8 @@ class _Unpacker(BlockReader):
     def weights(self, chunk):
         """<32 x i8>: the chunk's integer weights."""
         b, u, offset = self.b, chunk.u, chunk.offset
+        if isinstance(offset, Signs) and offset.bytes is not None:
+            return self.sign(u, offset.bytes)
         if isinstance(offset, Signs):
             return self.negate(u, offset.bits)
         if isinstance(offset, ir.Value):
