@@ -333,16 +333,6 @@ class BlockReader:
             v = b.insert_element(v, b.load(b.gep(base, [i])), ir.Constant(I32, k))
         return v
 
-    def one_scale(self, value):
-        """A 32-weight chunk's scale from one i32 (< 2**15): through lanes_each, so that intdot's
-        AVX2 kernels get the pair from one scalar multiply."""
-        lanes = self.splat8i(value)
-
-        def spread(k, pair=False):
-            return self.splat8i(self.b.mul(value, ir.Constant(I32, 0x10001))) if pair else lanes
-
-        return self.lanes_each(lanes, spread)(0)
-
     def sign_bits(self, bits):
         """<n x i1>: bit k of `bits`, an i32 or i64 or n / 8 bytes (<n/8 x i8>). With AVX-512BW a
         mask register (kmov); elsewhere each byte spread to 8 lanes and tested against its bit
@@ -729,17 +719,16 @@ def _scalar_indices(e, blk, low_at, n, high_at, high_type, bits):
     return [b.or_(e.byte(blk, low_at + k), b.shl(field, eight)) for k, field in enumerate(fields)]
 
 
-def _aux_chunks(e, blk, c0, table, element, n, aux_at):
+def _aux_chunks(e, blk, c0, table, element, n, aux_at, auxes):
     """IQ2_XXS's and IQ3_XXS's chunks with SCALAR_LOOKUPS: chunk j's n grid indices the bytes at
     blk + 2 + 8j, its aux word (4 x 7 sign bits, the scale s in bits 28-31) at blk + aux_at(j),
-    its scale 2s + 1."""
+    lane j of `auxes` (<8 x i32>), its scale 2s + 1 (the block's 8 made at once)."""
     b = e.b
+    odds = b.or_(b.lshr(auxes, splat(V8I32, 27)), splat(V8I32, 1))
     for j in range(8):
         levels = e.entries(table, [e.byte(blk, 2 + 8 * j + k) for k in range(n)], element)
-        aux = e.load(blk, aux_at(j), I32)
-        odd = b.or_(b.lshr(aux, ir.Constant(I32, 27)), ONE)
-        yield Chunk(e.chunk_index(c0, j), b.bitcast(levels, V32I8), _ksign_chunk(e, aux),
-                    e.one_scale(odd))  # fmt: skip
+        signs = _ksign_chunk(e, e.load(blk, aux_at(j), I32))
+        yield Chunk(e.chunk_index(c0, j), b.bitcast(levels, V32I8), signs, e.spread(odds, [j] * 8))
 
 
 @layout(sub_cols=32, narrow=True)
@@ -954,7 +943,8 @@ def iq3_xxs(e, blk, c0):
     b = e.b
     if SCALAR_LOOKUPS:
         table = e.table("iq3xxs_grid", IQ3XXS_GRID.view("<u4").reshape(-1))
-        yield from _aux_chunks(e, blk, c0, table, I32, 8, lambda j: 66 + 4 * j)
+        auxes = e.load(blk, 66, V8I32)
+        yield from _aux_chunks(e, blk, c0, table, I32, 8, lambda j: 66 + 4 * j, auxes)
         yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.25)))
         return
     if PERMUTED_GRIDS:  # the codes of entries 0-31 and 32-63
@@ -993,7 +983,8 @@ def iq2_xxs(e, blk, c0):
     b = e.b
     if SCALAR_LOOKUPS:
         table = _iq2_grid_table(e, "iq2xxs_grid", IQ2XXS_GRID)
-        yield from _aux_chunks(e, blk, c0, table, I64, 4, lambda j: 6 + 8 * j)
+        auxes = e.spread(e.load(blk, 2, V16I32), list(range(1, 16, 2)))  # qs' odd words
+        yield from _aux_chunks(e, blk, c0, table, I64, 4, lambda j: 6 + 8 * j, auxes)
         yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
         return
     qs = e.load(blk, 2, V64I8)  # the block after d: qword j = indices of chunk j | aux j << 32
