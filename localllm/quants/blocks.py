@@ -90,7 +90,7 @@ SIGNED = -1  # the offset of a chunk of int8 weights (Q8_0): u holds the weights
 class Signs:
     """The offset of a chunk of unsigned levels whose weights carry a sign of their own (the grid
     types): `bits` <32 x i1> is set where the weight is negative, or `bytes` <32 x i8> is -1
-    there and 1 elsewhere (a vpsignb operand, from a table: _ksign_chunk)."""
+    there and 1 elsewhere (a vpsignb operand, from a table: _ksign_entries)."""
 
     def __init__(self, bits=None, bytes=None):
         self.bits, self.bytes = bits, bytes
@@ -322,16 +322,22 @@ class BlockReader:
         name = {4: "d.d", 8: "d.q"}[size]
         return self.intrinsic(f"llvm.x86.avx2.gather.{name}.256", result, *args)
 
-    def entries(self, table, indices, element=I64):
-        """<n x element>: table[i] for the n scalar integers i of `indices`, a load each (into
-        a vector register, no gather)."""
+    def entries(self, table, indices):
+        """<n x element>: table[i] (a `table` of integers) for the n scalar integers i of
+        `indices`, a load each (into a vector register, no gather)."""
         b = self.b
+        element = table.value_type.element
         base = b.bitcast(table, element.as_pointer())
         v = ir.Constant(ir.VectorType(element, len(indices)), None)
         for k, i in enumerate(indices):
             i = b.zext(i, I64) if i.type != I64 else i
             v = b.insert_element(v, b.load(b.gep(base, [i])), ir.Constant(I32, k))
         return v
+
+    def apply_signs(self, v, signs):
+        """<32 x i8> v negated where `signs` (Signs) says: vpsignb by its bytes, or a blend
+        with -v by its bits."""
+        return self.negate(v, signs.bits) if signs.bytes is None else self.sign(v, signs.bytes)
 
     def sign_bits(self, bits):
         """<n x i1>: bit k of `bits`, an i32 or i64 or n / 8 bytes (<n/8 x i8>). With AVX-512BW a
@@ -686,6 +692,12 @@ def grid_levels(e, grid, codes, picks):
     return e.intrinsic("llvm.x86.avx512.permvar.qi.512", V64I8, ir.Constant(V64I8, table), fields)
 
 
+def _grid_table(e, name, grid):
+    """A grid (uint8[entries, 4 or 8]) as a table of one i32 or i64 per entry."""
+    width = grid.shape[1]
+    return e.table(name, grid.view(f"<u{width}").reshape(-1), {4: I32, 8: I64}[width])
+
+
 def _parity_signs():
     """ggml's keven_signs_q2xs as int64: entry i (< 128) the 8 sign bytes of 7 sign bits i and
     their parity as the 8th, each -1 where the bit is set, else 1 (a vpsignb operand)."""
@@ -699,13 +711,18 @@ def _parity_signs():
 KEVEN_SIGNS = _parity_signs()
 
 
-def _ksign_chunk(e, aux):
-    """Signs(bytes) of the 32 weights whose 4 x 7 sign bits are aux's bits 0-27 (an i32): four
+def _ksign_entries(e, fields):
+    """Signs(bytes) of the 32 weights whose 4 x 7 sign bits are `fields` (4 scalars < 128): four
     table loads, ggml's AVX2 way."""
-    b = e.b
     table = e.table("keven_signs", KEVEN_SIGNS, I64)
+    return Signs(bytes=e.b.bitcast(e.entries(table, fields), V32I8))
+
+
+def _ksign_chunk(e, aux):
+    """_ksign_entries of the 4 x 7 sign bits in aux's bits 0-27 (an i32)."""
+    b = e.b
     fields = [b.and_(b.lshr(aux, ir.Constant(I32, 7 * k)), ir.Constant(I32, 127)) for k in range(4)]
-    return Signs(bytes=b.bitcast(e.entries(table, fields), V32I8))
+    return _ksign_entries(e, fields)
 
 
 def _scalar_indices(e, blk, low_at, n, high_at, high_type, bits):
@@ -719,14 +736,14 @@ def _scalar_indices(e, blk, low_at, n, high_at, high_type, bits):
     return [b.or_(e.byte(blk, low_at + k), b.shl(field, eight)) for k, field in enumerate(fields)]
 
 
-def _aux_chunks(e, blk, c0, table, element, n, aux_at, auxes):
+def _aux_chunks(e, blk, c0, table, n, aux_at, auxes):
     """IQ2_XXS's and IQ3_XXS's chunks with SCALAR_LOOKUPS: chunk j's n grid indices the bytes at
     blk + 2 + 8j, its aux word (4 x 7 sign bits, the scale s in bits 28-31) at blk + aux_at(j),
     lane j of `auxes` (<8 x i32>), its scale 2s + 1 (the block's 8 made at once)."""
     b = e.b
     odds = b.or_(b.lshr(auxes, splat(V8I32, 27)), splat(V8I32, 1))
     for j in range(8):
-        levels = e.entries(table, [e.byte(blk, 2 + 8 * j + k) for k in range(n)], element)
+        levels = e.entries(table, [e.byte(blk, 2 + 8 * j + k) for k in range(n)])
         signs = _ksign_chunk(e, e.load(blk, aux_at(j), I32))
         yield Chunk(e.chunk_index(c0, j), b.bitcast(levels, V32I8), signs, e.spread(odds, [j] * 8))
 
@@ -738,10 +755,10 @@ def iq3_s(e, blk, c0):
     or grid_codes for the block's 64), the 64 sign bits; as ggml's vec_dot_iq3_s_q8_K."""
     b = e.b
     if SCALAR_LOOKUPS:
-        table = e.table("iq3s_grid", IQ3S_GRID.view("<u4").reshape(-1))
+        table = _grid_table(e, "iq3s_grid", IQ3S_GRID)
         odds = _nibble_odds(e, blk, 106, 8)
         for j in range(8):
-            levels = e.entries(table, _scalar_indices(e, blk, 2 + 8 * j, 8, 66 + j, I8, 1), I32)
+            levels = e.entries(table, _scalar_indices(e, blk, 2 + 8 * j, 8, 66 + j, I8, 1))
             signs = Signs(e.sign_bits(e.load(blk, 74 + 4 * j, I32)))
             yield Chunk(e.chunk_index(c0, j), b.bitcast(levels, V32I8), signs,
                         e.spread(odds, [j] * 8))  # fmt: skip
@@ -755,7 +772,7 @@ def iq3_s(e, blk, c0):
             indices = b.or_(low, b.select(high, splat(V32I16, 256), ir.Constant(V32I16, None)))
             halves.append(grid_codes(e, IQ3S_CODES, indices))
     else:
-        table = e.table("iq3s_grid", IQ3S_GRID.view("<u4").reshape(-1))
+        table = _grid_table(e, "iq3s_grid", IQ3S_GRID)
     odds = _nibble_odds(e, blk, 106, 8)
     for p in range(4):
         if PERMUTED_GRIDS:
@@ -942,16 +959,16 @@ def iq3_xxs(e, blk, c0):
     for the block's 64), the sign bytes' parity as in ggml's vec_dot_iq3_xxs_q8_K."""
     b = e.b
     if SCALAR_LOOKUPS:
-        table = e.table("iq3xxs_grid", IQ3XXS_GRID.view("<u4").reshape(-1))
+        table = _grid_table(e, "iq3xxs_grid", IQ3XXS_GRID)
         auxes = e.load(blk, 66, V8I32)
-        yield from _aux_chunks(e, blk, c0, table, I32, 8, lambda j: 66 + 4 * j, auxes)
+        yield from _aux_chunks(e, blk, c0, table, 8, lambda j: 66 + 4 * j, auxes)
         yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.25)))
         return
     if PERMUTED_GRIDS:  # the codes of entries 0-31 and 32-63
         halves = [grid_codes(e, IQ3XXS_CODES, b.zext(e.load(blk, 2 + 32 * h, V32I8), V32I16))
                   for h in (0, 1)]  # fmt: skip
     else:
-        table = e.table("iq3xxs_grid", IQ3XXS_GRID.view("<u4").reshape(-1))
+        table = _grid_table(e, "iq3xxs_grid", IQ3XXS_GRID)
     if BLOCK_SIGNS:
         aux = b.zext(e.load(blk, 66, V8I32), ir.VectorType(I64, 8))
         signs_scales = list(_block_aux(e, aux, 0))
@@ -971,10 +988,6 @@ def iq3_xxs(e, blk, c0):
     yield BlockEnd(c0, e.b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.25)))
 
 
-def _iq2_grid_table(e, name, grid):
-    return e.table(name, grid.view("<u8").reshape(-1), I64)
-
-
 @layout(sub_cols=32, narrow=True)
 def iq2_xxs(e, blk, c0):
     """d f16 | 8 x (u32 of 4 grid indices, u32 of 4 x 7 sign bits and a scale s in bits 28-31):
@@ -982,9 +995,9 @@ def iq2_xxs(e, blk, c0):
     levels (or grid_codes for the block's 32); as ggml's vec_dot_iq2_xxs_q8_K."""
     b = e.b
     if SCALAR_LOOKUPS:
-        table = _iq2_grid_table(e, "iq2xxs_grid", IQ2XXS_GRID)
+        table = _grid_table(e, "iq2xxs_grid", IQ2XXS_GRID)
         auxes = e.spread(e.load(blk, 2, V16I32), list(range(1, 16, 2)))  # qs' odd words
-        yield from _aux_chunks(e, blk, c0, table, I64, 4, lambda j: 6 + 8 * j, auxes)
+        yield from _aux_chunks(e, blk, c0, table, 4, lambda j: 6 + 8 * j, auxes)
         yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
         return
     qs = e.load(blk, 2, V64I8)  # the block after d: qword j = indices of chunk j | aux j << 32
@@ -994,7 +1007,7 @@ def iq2_xxs(e, blk, c0):
                                 ir.Constant(ir.VectorType(I32, 64), picks))  # fmt: skip
         codes = grid_codes(e, IQ2XXS_CODES, b.bitcast(both, V32I16))
     else:
-        table = _iq2_grid_table(e, "iq2xxs_grid", IQ2XXS_GRID)
+        table = _grid_table(e, "iq2xxs_grid", IQ2XXS_GRID)
     if BLOCK_SIGNS:
         signs_scales = list(_block_aux(e, b.bitcast(qs, ir.VectorType(I64, 8)), 32))
     for p in range(4):
@@ -1019,23 +1032,21 @@ def iq2_xs(e, blk, c0):
     bits per 16 weights): w = d * (2s + 1) / 8 * level * sign."""
     b = e.b
     if SCALAR_LOOKUPS:
-        table = _iq2_grid_table(e, "iq2xs_grid", IQ2XS_GRID)
-        signs = e.table("keven_signs", KEVEN_SIGNS, I64)
+        table = _grid_table(e, "iq2xs_grid", IQ2XS_GRID)
         odds = _nibble_odds(e, blk, 66, 16)
         for j in range(8):
             q = [b.zext(e.load(blk, 2 + 8 * j + 2 * k, I16), I32) for k in range(4)]
             levels = e.entries(table, [b.and_(v, ir.Constant(I32, 511)) for v in q])
-            sign = e.entries(signs, [b.lshr(v, ir.Constant(I32, 9)) for v in q])
+            signs = _ksign_entries(e, [b.lshr(v, ir.Constant(I32, 9)) for v in q])
             odd = e.spread(odds, [2 * j] * 4 + [2 * j + 1] * 4)
-            yield Chunk(e.chunk_index(c0, j), b.bitcast(levels, V32I8),
-                        Signs(bytes=b.bitcast(sign, V32I8)), odd)  # fmt: skip
+            yield Chunk(e.chunk_index(c0, j), b.bitcast(levels, V32I8), signs, odd)
         yield BlockEnd(c0, b.fmul(e.f16(blk, 0), ir.Constant(F32, 0.125)))
         return
     qs = e.load(blk, 2, V32I16)
     if PERMUTED_GRIDS:
         codes = grid_codes(e, IQ2XS_CODES, b.and_(qs, splat(V32I16, 511)))
     else:
-        table = _iq2_grid_table(e, "iq2xs_grid", IQ2XS_GRID)
+        table = _grid_table(e, "iq2xs_grid", IQ2XS_GRID)
     if BLOCK_SIGNS:  # the 32 sign fields' bytes (each word >> 9) with their parity as bit 7
         matrix = b.bitcast(splat(ir.VectorType(I64, 8), KSIGNS_AFFINE), V64I8)
         fields = b.bitcast(b.lshr(qs, splat(V32I16, 9)), V64I8)
@@ -1065,7 +1076,7 @@ def iq2_s(e, blk, c0):
     2 bits of qh), a sign bit per weight, 4-bit scales per 16: w = d * (2s + 1) / 8 * level *
     sign."""
     b = e.b
-    table = _iq2_grid_table(e, "iq2s_grid", IQ2S_GRID)  # 1024 entries: grid_codes was no
+    table = _grid_table(e, "iq2s_grid", IQ2S_GRID)  # 1024 entries: grid_codes was no
     # faster here (16 permutes and 15 blends per 32 entries; in cache 4.5 -> 3.7-4.4 GB/s)
     odds = _nibble_odds(e, blk, 74, 16)
     if SCALAR_LOOKUPS:

@@ -167,10 +167,8 @@ class _Unpacker(BlockReader):
     def weights(self, chunk):
         """<32 x i8>: the chunk's integer weights."""
         b, u, offset = self.b, chunk.u, chunk.offset
-        if isinstance(offset, Signs) and offset.bytes is not None:
-            return self.sign(u, offset.bytes)
         if isinstance(offset, Signs):
-            return self.negate(u, offset.bits)
+            return self.apply_signs(u, offset)
         if isinstance(offset, ir.Value):
             if offset.type == I32:
                 return b.sub(u, b.bitcast(self.splat8i(b.mul(offset, ir.Constant(I32, 0x01010101))),

@@ -218,10 +218,8 @@ class _Emitter(BlockReader):
         x = self.load(self.xq, b.mul(c, ir.Constant(c.type, 32)), lanes_type)
         x = b.bitcast(x, ir.VectorType(I8, u.type.count))
         zero = ir.Constant(lanes_type, None)
-        if isinstance(offset, Signs) and offset.bytes is not None:
-            return zero, u, self.sign(x, offset.bytes)
         if isinstance(offset, Signs):  # levels < 128: exact in either instruction set
-            return zero, u, self.negate(x, offset.bits)
+            return zero, u, self.apply_signs(x, offset)
         if offset == SIGNED and INSTRUCTION_SET == "avx2":
             # ggml's sign trick: |w| * (x with w's sign), |w| <= 128 keeps the pairs in int16
             return zero, self.sign(u, u), self.sign(x, u)
